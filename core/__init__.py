@@ -1,0 +1,68 @@
+"""kwplug: pluggable kwargs handlers for PyTorch training.
+
+The core defines the hook contract (:mod:`kwplug.hookspecs`), the :class:`KwargsHandler` base,
+entry-point discovery (:mod:`kwplug.discovery`) and a minimal :class:`Accelerator`. The built-in
+handlers live in :mod:`kwplug.plugins` and are re-exported here lazily, so ``import kwplug``
+stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kwplug.accelerator import Accelerator
+from kwplug.comm_hooks import CommHook, register_comm_hook, unregister_comm_hook
+from kwplug.discovery import PluginLoadWarning, discover
+from kwplug.handler import KwargsHandler
+from kwplug.hookspecs import hookimpl, hookspec
+
+if TYPE_CHECKING:
+    from kwplug.plugins import (
+        AutocastKwargs,
+        DDPCommunicationHookType,
+        DistributedDataParallelKwargs,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        ProfileKwargs,
+    )
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accelerator",
+    "AutocastKwargs",
+    "CommHook",
+    "DDPCommunicationHookType",
+    "DistributedDataParallelKwargs",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
+    "PluginLoadWarning",
+    "ProfileKwargs",
+    "__version__",
+    "discover",
+    "hookimpl",
+    "hookspec",
+    "register_comm_hook",
+    "unregister_comm_hook",
+]
+
+_BUILTIN_REEXPORTS = frozenset(
+    {
+        "AutocastKwargs",
+        "DDPCommunicationHookType",
+        "DistributedDataParallelKwargs",
+        "GradScalerKwargs",
+        "InitProcessGroupKwargs",
+        "ProfileKwargs",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    # Re-export only: the core itself never refers to a built-in handler class.
+    if name in _BUILTIN_REEXPORTS:
+        from kwplug import plugins
+
+        return getattr(plugins, name)
+    raise AttributeError(f"module 'kwplug' has no attribute {name!r}")

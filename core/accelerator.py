@@ -1,0 +1,341 @@
+"""The minimal ``Accelerator``: builds every torch object through the handler hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from kwplug import discovery
+from kwplug.comm_hooks import CommHook, merge_comm_hooks
+from kwplug.data import prepare_dataloader
+from kwplug.environment import ProcessInfo, select_device
+from kwplug.handler import KwargsHandler
+from kwplug.hookspecs import AutocastFactory
+from kwplug.optimizer import ScaledOptimizer
+from kwplug.registry import build_plugin_manager, check_handlers, extra_impls
+
+logger = logging.getLogger(__name__)
+
+MIXED_PRECISION = ("no", "fp16", "bf16")
+
+
+class Accelerator:
+    """Runs a training loop on the device and processes chosen by torchrun, through plugins.
+
+    Every torch object it builds -- the process group, the autocast context, the gradient
+    scaler, the model wrapper (DDP) and the profiler -- comes from a hook call
+    (:mod:`kwplug.hookspecs`), answered first by the handlers in ``kwargs_handlers``, then by
+    third-party plugins, then by kwplug's built-ins. Hooks are called here and in
+    :meth:`prepare`, never per training step.
+
+    Args:
+        mixed_precision: ``"no"`` (default), ``"fp16"`` (``torch.autocast`` to float16 and a
+            ``torch.amp.GradScaler``) or ``"bf16"`` (autocast to bfloat16, no scaler). Works
+            on CPU too.
+        cpu: train on the CPU even when an accelerator is available.
+        kwargs_handlers: handler instances (``AutocastKwargs``, ``DistributedDataParallelKwargs``,
+            ``GradScalerKwargs``, ``InitProcessGroupKwargs``, ``ProfileKwargs``, a subclass of
+            one, or a third-party handler), at most one per class.
+
+    Raises:
+        ValueError: ``mixed_precision`` is not one of ``"no"``, ``"fp16"``, ``"bf16"``; two
+            handlers share a class; a torchrun variable is malformed.
+        TypeError: ``kwargs_handlers`` holds something that is not a handler instance.
+        RuntimeError: ``WORLD_SIZE > 1`` but no plugin initialised the process group.
+    """
+
+    def __init__(
+        self,
+        mixed_precision: Literal["no", "fp16", "bf16"] | str = "no",
+        cpu: bool = False,
+        kwargs_handlers: Sequence[KwargsHandler] | None = None,
+    ) -> None:
+        if mixed_precision not in MIXED_PRECISION:
+            raise ValueError(
+                f"mixed_precision must be one of {', '.join(map(repr, MIXED_PRECISION))}, "
+                f"got {mixed_precision!r}"
+            )
+        if not isinstance(cpu, bool):
+            raise TypeError(f"cpu must be a bool, got {type(cpu).__name__}")
+        self.mixed_precision: str = mixed_precision
+        self.handlers = check_handlers(kwargs_handlers)
+        self.plugin_manager, self._plugin_descriptions = build_plugin_manager(
+            self.handlers, discovery.discover()
+        )
+        hook = self.plugin_manager.hook
+
+        info = ProcessInfo.current()
+        self.device = select_device(cpu, info.local_rank)
+        self.device_type: str = self.device.type
+        if info.world_size > 1 and not dist.is_initialized():
+            done = hook.init_process_group(
+                device_type=self.device_type,
+                world_size=info.world_size,
+                rank=info.rank,
+                local_rank=info.local_rank,
+            )
+            if not done or not dist.is_initialized():
+                raise RuntimeError(
+                    f"WORLD_SIZE={info.world_size} but no plugin initialised the process group "
+                    "(the built-in InitProcessGroupKwargs plugin may be blocked)"
+                )
+            info = ProcessInfo.current()
+        self.num_processes: int = info.world_size
+        self.process_index: int = info.rank
+        self.local_process_index: int = info.local_rank
+
+        self.comm_hooks: dict[str, CommHook] = self._collect_comm_hooks()
+        self._autocast_factory: AutocastFactory = (
+            hook.autocast(device_type=self.device_type, mixed_precision=mixed_precision)
+            or contextlib.nullcontext
+        )
+        self.scaler: torch.amp.GradScaler | None = hook.make_scaler(
+            device_type=self.device_type, mixed_precision=mixed_precision
+        )
+        self._models: list[torch.nn.Module] = []
+        self._scaled_optimizers: list[ScaledOptimizer] = []
+        logger.debug(
+            "Accelerator on %s, rank %d/%d, mixed_precision=%s, plugins: %s",
+            self.device,
+            self.process_index,
+            self.num_processes,
+            mixed_precision,
+            list(self._plugin_descriptions.values()),
+        )
+
+    # -- process information ------------------------------------------------------------
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on global rank 0."""
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """True on local rank 0 (one process per node)."""
+        return self.local_process_index == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when more than one process trains (``num_processes > 1``)."""
+        return self.num_processes > 1
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def _collect_comm_hooks(self) -> dict[str, CommHook]:
+        pm = self.plugin_manager
+        contributions = []
+        # Called impl by impl (the spec takes no arguments) so a duplicate name can be
+        # blamed on the plugin that gave it.
+        for impl in reversed(pm.hook.comm_hooks.get_hookimpls()):
+            label = self._plugin_descriptions.get(impl.plugin_name, impl.plugin_name)
+            contributions.append((label, impl.function()))
+        return merge_comm_hooks(contributions)
+
+    def prepare(self, *objs: Any) -> Any:
+        """Prepare models, optimizers and data loaders for training, in the order given.
+
+        - ``torch.nn.Module``: moved to :attr:`device`, then wrapped through the
+          ``wrap_model`` hook (DDP when ``num_processes > 1`` by default).
+        - ``torch.optim.Optimizer``: returned as is, or wrapped in a
+          :class:`~kwplug.optimizer.ScaledOptimizer` when a gradient scaler is active.
+        - ``torch.utils.data.DataLoader``: sharded per rank with ``DistributedSampler``
+          semantics, batches moved to :attr:`device`.
+        - anything else: returned unchanged.
+
+        Create the optimizer from the model's parameters before or after ``prepare``: DDP
+        shares the parameters, so both work.
+
+        Returns:
+            The prepared object when one was given, else a tuple in the same order.
+        """
+        prepared = tuple(self._prepare_one(obj) for obj in objs)
+        return prepared[0] if len(prepared) == 1 else prepared
+
+    def _prepare_one(self, obj: Any) -> Any:
+        if isinstance(obj, torch.nn.Module):
+            return self.prepare_model(obj)
+        if isinstance(obj, torch.optim.Optimizer):
+            return self.prepare_optimizer(obj)
+        if isinstance(obj, DataLoader):
+            return self.prepare_data_loader(obj)
+        return obj
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move ``model`` to :attr:`device` and wrap it through the ``wrap_model`` hook."""
+        model = model.to(self.device)
+        wrapped = self.plugin_manager.hook.wrap_model(
+            model=model,
+            device=self.device,
+            device_type=self.device_type,
+            world_size=self.num_processes,
+            mixed_precision=self.mixed_precision,
+            comm_hooks=self.comm_hooks,
+        )
+        if wrapped is not None and not isinstance(wrapped, torch.nn.Module):
+            raise TypeError(
+                f"a wrap_model hook returned {type(wrapped).__name__}, not a torch.nn.Module"
+            )
+        result = wrapped if wrapped is not None else model
+        self._models.append(result)
+        return result
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Return ``optimizer``, stepping through the gradient scaler when there is one."""
+        if self.scaler is None or isinstance(optimizer, ScaledOptimizer):
+            return optimizer
+        scaled = ScaledOptimizer(optimizer, self.scaler)
+        self._scaled_optimizers.append(scaled)
+        return scaled
+
+    def prepare_data_loader(self, loader: DataLoader[Any], seed: int = 0) -> DataLoader[Any]:
+        """Shard ``loader`` per rank (see :func:`kwplug.data.prepare_dataloader`)."""
+        return prepare_dataloader(
+            loader, self.device, self.num_processes, self.process_index, seed=seed
+        )
+
+    # -- per step ----------------------------------------------------------------------------
+
+    def autocast(self, autocast_handler: KwargsHandler | None = None) -> Any:
+        """Return the autocast context manager for this Accelerator's precision.
+
+        ``with accelerator.autocast():`` enters ``torch.autocast(device_type, dtype)`` with the
+        dtype of ``mixed_precision`` (``contextlib.nullcontext()`` when it is ``"no"``). The
+        factory was resolved once at construction, so this costs what ``torch.autocast`` costs.
+
+        Args:
+            autocast_handler: a handler (e.g. ``AutocastKwargs(enabled=False)``) that answers
+                the ``autocast`` hook first for this call only; contexts nest as
+                ``torch.autocast`` contexts do.
+
+        Raises:
+            TypeError: ``autocast_handler`` is not a handler instance.
+        """
+        if autocast_handler is None:
+            return self._autocast_factory()
+        factory = self._call_with(
+            "autocast",
+            autocast_handler,
+            device_type=self.device_type,
+            mixed_precision=self.mixed_precision,
+        )
+        return (factory or contextlib.nullcontext)()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)``, through the gradient scaler when there is one."""
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    def clip_grad_norm_(
+        self, parameters: Any, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` after unscaling the gradients (fp16).
+
+        With a gradient scaler, every prepared optimizer's gradients are unscaled first
+        (``GradScaler.unscale_``), so call this at most once per step, between
+        :meth:`backward` and ``optimizer.step()``.
+
+        Returns:
+            The total gradient norm before clipping (a 0-d tensor).
+        """
+        if self.scaler is not None:
+            for optimizer in self._scaled_optimizers:
+                self.scaler.unscale_(optimizer.optimizer)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    # -- distributed helpers ----------------------------------------------------------------
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate ``tensor`` from every rank along dim 0 (0-d tensors become shape
+        ``(num_processes,)``). Every rank must pass the same shape. Single process: returns
+        ``tensor`` (0-d made 1-d)."""
+        if tensor.dim() == 0:
+            tensor = tensor.unsqueeze(0)
+        if not self.distributed:
+            return tensor
+        out = [torch.empty_like(tensor) for _ in range(self.num_processes)]
+        dist.all_gather(out, tensor.contiguous())
+        return torch.cat(out, dim=0)
+
+    def reduce(self, tensor: torch.Tensor, reduction: Literal["sum", "mean"] = "sum") -> torch.Tensor:
+        """All-reduce a copy of ``tensor`` across ranks with ``"sum"`` or ``"mean"``.
+
+        Raises:
+            ValueError: ``reduction`` is not ``"sum"`` or ``"mean"``.
+        """
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+        result = tensor.clone()
+        if self.distributed:
+            dist.all_reduce(result, op=dist.ReduceOp.SUM)
+            if reduction == "mean":
+                result = result / self.num_processes
+        return result
+
+    def wait_for_everyone(self) -> None:
+        """``torch.distributed.barrier()`` when distributed; nothing otherwise."""
+        if self.distributed:
+            dist.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Return the user's module from inside DDP/DataParallel/``torch.compile`` wrappers."""
+        while True:
+            if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+                model = model.module
+            elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+                model = model._orig_mod
+            else:
+                return model
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: KwargsHandler | None = None) -> Iterator[Any]:
+        """Profile the enclosed code; yields the started ``torch.profiler.profile``.
+
+        The profiler comes from the ``make_profiler`` hook (``ProfileKwargs.build()`` by
+        default); ``profile_handler`` answers first for this call. Call ``prof.step()`` at
+        each step when a schedule is set.
+
+        Raises:
+            TypeError: ``profile_handler`` is not a handler instance.
+            RuntimeError: no plugin built a profiler.
+        """
+        profiler = self._call_with(
+            "make_profiler", profile_handler, device_type=self.device_type, rank=self.process_index
+        )
+        if profiler is None:
+            raise RuntimeError("no plugin answered make_profiler (is ProfileKwargs blocked?)")
+        with profiler as prof:
+            yield prof
+
+    def end_training(self) -> None:
+        """Destroy the default process group (``torch.distributed.destroy_process_group``)."""
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _call_with(self, hook_name: str, handler: KwargsHandler | None, **kwargs: Any) -> Any:
+        caller = getattr(self.plugin_manager.hook, hook_name)
+        if handler is None:
+            return caller(**kwargs)
+        check_handlers([handler])
+        return caller.call_extra(extra_impls(self.plugin_manager, handler, hook_name), kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"Accelerator(device={self.device}, mixed_precision={self.mixed_precision!r}, "
+            f"num_processes={self.num_processes}, process_index={self.process_index})"
+        )

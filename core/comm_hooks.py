@@ -1,0 +1,147 @@
+"""Named DDP communication hooks: the record type and the process-wide registry.
+
+A communication hook is PyTorch's ``hook(state, bucket: torch.distributed.GradBucket) ->
+torch.futures.Future[torch.Tensor]`` (see ``DistributedDataParallel.register_comm_hook``). kwplug
+names hooks so that ``DistributedDataParallelKwargs(comm_hook="name")`` can select them; names
+come from :func:`register_comm_hook` and from plugins' ``comm_hooks`` hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+    StateFactory = Callable[[dist.ProcessGroup | None, Mapping[str, Any]], Any]
+else:
+    HookFn = Callable[..., Any]
+    StateFactory = Callable[..., Any]
+
+
+@attrs.frozen
+class CommHook:
+    """A named DDP communication hook.
+
+    Attributes:
+        name: the name users pass as ``comm_hook=...``.
+        hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``, registered with
+            ``DistributedDataParallel.register_comm_hook(state, hook)``.
+        make_state: ``make_state(process_group, comm_state_option) -> state``, called after the
+            process group exists; ``None`` means the state is the process group itself (the
+            convention of ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``).
+        source: who provided it (a distribution or ``"kwplug.register_comm_hook"``), for errors.
+    """
+
+    name: str = attrs.field(validator=attrs.validators.instance_of(str))
+    hook: HookFn = attrs.field(validator=attrs.validators.is_callable())
+    make_state: StateFactory | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+    )
+    source: str = "unknown"
+
+    def build_state(
+        self, process_group: dist.ProcessGroup | None, options: Mapping[str, Any]
+    ) -> Any:
+        """Return the hook's state for ``process_group`` (``None`` = the default group).
+
+        Raises:
+            ValueError: ``options`` is not empty but the hook takes no state options.
+        """
+        if self.make_state is None:
+            if options:
+                raise ValueError(
+                    f"comm_state_option {dict(options)!r} given, but communication hook "
+                    f"{self.name!r} (from {self.source}) takes no state options"
+                )
+            return process_group
+        return self.make_state(process_group, options)
+
+
+_REGISTRY: dict[str, CommHook] = {}
+
+
+def register_comm_hook(
+    name: str, hook: HookFn, *, make_state: StateFactory | None = None, replace: bool = False
+) -> CommHook:
+    """Register a DDP communication hook under ``name`` for this process.
+
+    Args:
+        name: non-empty name to use as ``DistributedDataParallelKwargs(comm_hook=name)``.
+        hook: ``hook(state, bucket: torch.distributed.GradBucket) ->
+            torch.futures.Future[torch.Tensor]``.
+        make_state: optional ``make_state(process_group, comm_state_option) -> state``; without
+            it the hook's state is the process group (``None`` = default group).
+        replace: allow replacing a hook registered earlier under the same name.
+
+    Returns:
+        The :class:`CommHook` record.
+
+    Raises:
+        TypeError: ``hook`` or ``make_state`` is not callable, or ``name`` is not a ``str``.
+        ValueError: ``name`` is empty or already registered (and ``replace`` is false).
+    """
+    if not isinstance(name, str) or not name:
+        raise (ValueError if isinstance(name, str) else TypeError)(
+            f"comm hook name must be a non-empty str, got {name!r}"
+        )
+    if name in _REGISTRY and not replace:
+        raise ValueError(
+            f"communication hook {name!r} is already registered; pass replace=True to replace it"
+        )
+    record = CommHook(name, hook, make_state, source="kwplug.register_comm_hook")
+    _REGISTRY[name] = record
+    return record
+
+
+def unregister_comm_hook(name: str) -> None:
+    """Remove the hook registered under ``name``; ``KeyError`` if there is none."""
+    del _REGISTRY[name]
+
+
+def registered_comm_hooks() -> Mapping[str, CommHook]:
+    """Return a copy of the process-wide registry, by name."""
+    return dict(_REGISTRY)
+
+
+def merge_comm_hooks(contributions: list[tuple[str, Mapping[str, CommHook] | None]]) -> dict[
+    str, CommHook
+]:
+    """Merge plugins' ``comm_hooks`` answers with the registry.
+
+    Args:
+        contributions: ``(plugin name, answer)`` pairs from the ``comm_hooks`` hook.
+
+    Raises:
+        TypeError: an answer is not a mapping of ``str`` to :class:`CommHook`.
+        ValueError: two sources give the same name; the message names both.
+    """
+    merged: dict[str, CommHook] = dict(_REGISTRY)
+    for plugin_name, answer in contributions:
+        if answer is None:
+            continue
+        if not isinstance(answer, Mapping):
+            raise TypeError(
+                f"plugin {plugin_name!r}: comm_hooks must return a mapping of name to "
+                f"kwplug.CommHook, got {type(answer).__name__}"
+            )
+        for name, record in answer.items():
+            if not isinstance(record, CommHook):
+                raise TypeError(
+                    f"plugin {plugin_name!r}: comm_hooks()[{name!r}] must be a kwplug.CommHook, "
+                    f"got {type(record).__name__}"
+                )
+            if record.source == "unknown":
+                record = attrs.evolve(record, source=plugin_name)
+            if name in merged:
+                raise ValueError(
+                    f"communication hook {name!r} is provided twice: by {merged[name].source} "
+                    f"and by {record.source}; block one of the plugins or rename the hook"
+                )
+            merged[name] = record
+    return merged

@@ -1,0 +1,78 @@
+"""Where this process runs: world size, ranks and device, read from torchrun or torch."""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import torch
+import torch.distributed as dist
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+@attrs.frozen
+class ProcessInfo:
+    """Ranks of this process.
+
+    Attributes:
+        world_size: number of processes (``WORLD_SIZE`` from torchrun, or the default process
+            group's size when one exists); 1 when not distributed.
+        rank: global rank ``RANK`` (0 when not distributed).
+        local_rank: rank on this node, ``LOCAL_RANK`` (0 when not distributed).
+    """
+
+    world_size: int
+    rank: int
+    local_rank: int
+
+    @classmethod
+    def current(cls) -> ProcessInfo:
+        """Read the default process group if initialised, else torchrun's variables.
+
+        Raises:
+            ValueError: a torchrun variable is not an integer or out of range.
+        """
+        local_rank = _env_int("LOCAL_RANK", 0)
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_world_size(), dist.get_rank(), local_rank)
+        world_size = _env_int("WORLD_SIZE", 1)
+        rank = _env_int("RANK", 0)
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"invalid torchrun environment: WORLD_SIZE={world_size}, RANK={rank} "
+                "(need WORLD_SIZE >= 1 and 0 <= RANK < WORLD_SIZE)"
+            )
+        return cls(world_size, rank, local_rank)
+
+
+def select_device(cpu: bool, local_rank: int) -> torch.device:
+    """The device this process trains on.
+
+    ``cpu=True`` forces the CPU. Otherwise the current accelerator reported by
+    ``torch.accelerator`` (CUDA, XPU, MPS, or an out-of-tree backend) is used, with index
+    ``local_rank`` modulo the device count, and made current; the CPU when there is none.
+    """
+    if cpu:
+        return torch.device("cpu")
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        if not accelerator.is_available():
+            return torch.device("cpu")
+        device_type = accelerator.current_accelerator().type
+        index = local_rank % max(accelerator.device_count(), 1)
+        accelerator.set_device_index(index)
+        return torch.device(device_type, index)
+    if torch.cuda.is_available():  # torch < 2.6 has no torch.accelerator
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")

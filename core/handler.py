@@ -1,0 +1,62 @@
+"""``KwargsHandler``: the attrs base class of every handler, built-in or third-party."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+import attrs
+
+#: Field metadata key: ``attrs.field(metadata={TO_KWARGS: False})`` keeps a field out of
+#: :meth:`KwargsHandler.to_kwargs` (e.g. options consumed by kwplug itself, not by torch).
+TO_KWARGS = "kwplug.to_kwargs"
+
+
+@attrs.define
+class KwargsHandler:
+    """Base class of kwargs handlers: an attrs class whose instances are also pluggy plugins.
+
+    Subclass it with ``@attrs.define`` and give every field a default, so that the class can be
+    default-constructed (kwplug registers a default instance of each discovered handler class
+    the user did not pass). Validators run at construction and on attribute assignment
+    (``attrs.define`` sets ``on_setattr`` to run converters and validators), so a bad value
+    raises ``TypeError``/``ValueError`` naming the field right away.
+
+    Methods decorated with ``@kwplug.hookimpl`` answer the hooks of
+    :class:`kwplug.hookspecs.HandlerSpec` when an instance is registered with an Accelerator.
+
+    Attributes:
+        register_default: class variable; when ``False``, kwplug does not register a default
+            instance of this class, so it answers hooks only when the user passes an instance
+            in ``kwargs_handlers`` (for opt-in wrappers such as FSDP).
+    """
+
+    register_default: ClassVar[bool] = True
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return every field by name (shallow: values are not copied or converted)."""
+        return attrs.asdict(self, recurse=False)
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """Return the fields whose value differs from a default-constructed instance.
+
+        Fields marked with ``metadata={kwplug.handler.TO_KWARGS: False}`` are left out. Resolved
+        defaults count as defaults: ``InitProcessGroupKwargs().to_kwargs() == {}``. Reads no
+        environment variables.
+
+        Returns:
+            ``dict`` of field name to value, in field definition order.
+        """
+        defaults = _default_values(type(self))
+        return {
+            f.name: value
+            for f in attrs.fields(type(self))
+            if f.metadata.get(TO_KWARGS, True)
+            and (value := getattr(self, f.name)) != defaults[f.name]
+        }
+
+
+@functools.cache
+def _default_values(cls: type[KwargsHandler]) -> dict[str, Any]:
+    # Built once per class: handler construction must not depend on the environment.
+    return attrs.asdict(cls(), recurse=False)

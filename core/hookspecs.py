@@ -1,0 +1,138 @@
+"""The hook contract between the kwplug core and handler plugins.
+
+Every torch object an :class:`~kwplug.Accelerator` builds comes from one of these hooks. A plugin
+implements any of them with methods marked ``@kwplug.hookimpl``; an implementation may take any
+subset of a spec's arguments (pluggy passes only the ones it names).
+
+Order of answers: handlers the user passed in ``kwargs_handlers`` answer first (in list order),
+then third-party defaults (by distribution name, then entry-point name), then kwplug's built-in
+defaults. For ``firstresult`` hooks the first answer that is not ``None`` wins, so returning
+``None`` means "not mine, ask the next plugin". Hooks receive ``device_type`` (``"cpu"``,
+``"cuda"``, ``"xpu"``, ...) so that a backend plugin answers for its device and declines for the
+others.
+
+The core calls these hooks only at construction, ``prepare()`` and when a per-call handler is
+given (``autocast(handler)``, ``profile(handler)``) -- never per training step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from kwplug.comm_hooks import CommHook
+
+PROJECT_NAME = "kwplug"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+AutocastFactory = Callable[[], AbstractContextManager[Any]]
+
+
+class HandlerSpec:
+    """Hook specifications of the ``kwplug`` project (registered with ``add_hookspecs``)."""
+
+    @hookspec(firstresult=True)
+    def autocast(self, device_type: str, mixed_precision: str) -> AutocastFactory | None:
+        """Return a zero-argument factory of the autocast context manager, or ``None``.
+
+        :param device_type: ``torch.device(...).type`` of the Accelerator's device, e.g. ``"cpu"``.
+        :param mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"`` as given to the Accelerator.
+        :returns: a callable that, called with no arguments, returns a fresh context manager
+            (typically ``functools.partial(torch.autocast, ...)``) -- or ``None`` for "not mine".
+            If no plugin answers, ``Accelerator.autocast()`` yields ``contextlib.nullcontext()``.
+
+        Called by: ``Accelerator.__init__`` once (the factory is cached and reused at every
+        ``accelerator.autocast()``), and by ``accelerator.autocast(handler)`` with the given
+        handler answering first. ``firstresult``: yes.
+        """
+
+    @hookspec(firstresult=True)
+    def wrap_model(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        device_type: str,
+        world_size: int,
+        mixed_precision: str,
+        comm_hooks: Mapping[str, CommHook],
+    ) -> torch.nn.Module | None:
+        """Wrap a model for distributed training, or return ``None``.
+
+        :param model: the user's module, already moved to ``device``.
+        :param device: the Accelerator's device (``torch.device``).
+        :param device_type: ``device.type``.
+        :param world_size: number of processes (``torch.distributed`` world size; 1 when not
+            distributed).
+        :param mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+        :param comm_hooks: every named DDP communication hook known to this Accelerator
+            (built-in, registered with :func:`kwplug.register_comm_hook`, and contributed by
+            plugins' :meth:`comm_hooks`), by name.
+        :returns: the wrapped module (e.g. ``torch.nn.parallel.DistributedDataParallel``), or
+            ``None`` for "not mine". If no plugin answers, the model is used unwrapped.
+
+        Called by: ``Accelerator.prepare()``, once per model. ``firstresult``: yes.
+        """
+
+    @hookspec(firstresult=True)
+    def make_scaler(self, device_type: str, mixed_precision: str) -> torch.amp.GradScaler | None:
+        """Return the gradient scaler for this setting, or ``None``.
+
+        :param device_type: device type the scaler works on (``torch.amp.GradScaler(device)``).
+        :param mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+        :returns: a ``torch.amp.GradScaler`` (or an object with the same ``scale``/``step``/
+            ``update``/``unscale_`` interface), or ``None`` for "not mine". If no plugin answers,
+            training runs without a scaler.
+
+        Called by: ``Accelerator.__init__`` once. ``firstresult``: yes.
+        """
+
+    @hookspec(firstresult=True)
+    def init_process_group(
+        self, device_type: str, world_size: int, rank: int, local_rank: int
+    ) -> bool | None:
+        """Initialise the default ``torch.distributed`` process group, or return ``None``.
+
+        :param device_type: device type the processes train on; selects the backend.
+        :param world_size: ``WORLD_SIZE`` set by ``torchrun`` (>= 1).
+        :param rank: global rank ``RANK`` of this process, ``0 <= rank < world_size``.
+        :param local_rank: ``LOCAL_RANK`` of this process on its node.
+        :returns: ``True`` once the process group is initialised (via
+            ``torch.distributed.init_process_group``), or ``None`` for "not mine".
+
+        Called by: ``Accelerator.__init__`` once, only when ``world_size > 1`` and no default
+        process group exists yet. If no plugin answers then, the Accelerator raises
+        ``RuntimeError``. ``firstresult``: yes.
+        """
+
+    @hookspec(firstresult=True)
+    def make_profiler(self, device_type: str, rank: int) -> torch.profiler.profile | None:
+        """Return a ``torch.profiler.profile`` (not started), or ``None``.
+
+        :param device_type: the Accelerator's device type; selects default profiler activities.
+        :param rank: global rank of this process (0 when not distributed), e.g. for per-rank
+            trace file names.
+        :returns: a profiler context manager, or ``None`` for "not mine". If no plugin answers,
+            ``accelerator.profile()`` raises ``RuntimeError``.
+
+        Called by: ``accelerator.profile(handler=None)`` each time it is entered (profiling is
+        not a per-step path). ``firstresult``: yes.
+        """
+
+    @hookspec
+    def comm_hooks(self) -> Mapping[str, CommHook] | None:
+        """Contribute named DDP communication hooks.
+
+        :returns: a mapping of hook name to :class:`kwplug.CommHook`, or ``None``. Names are
+            additive across plugins; a name given twice is an error naming both sources.
+
+        Called by: ``Accelerator.__init__`` once; the merged mapping is passed to
+        :meth:`wrap_model`. ``firstresult``: no (every plugin's answer is collected).
+        """
