@@ -1,0 +1,56 @@
+"""Run a script in N CPU processes under torchrun (gloo, 127.0.0.1, a free port), bounded."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun(
+    script: str | Path,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    torchrun_args: Sequence[str] = (),
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m torch.distributed.run --nproc-per-node nproc script *args``.
+
+    One thread per process (OMP_NUM_THREADS=1) so two ranks share two cores fairly. Raises
+    ``AssertionError`` with both output streams when ``check`` and the run failed, and
+    ``subprocess.TimeoutExpired`` after ``timeout`` seconds (the process tree is killed).
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        *torchrun_args,
+        str(script),
+        *args,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env.pop("WORLD_SIZE", None)
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=full_env, check=False
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"torchrun failed ({result.returncode}): {' '.join(cmd)}\n"
+            f"--- stdout ---\n{result.stdout[-8000:]}\n--- stderr ---\n{result.stderr[-8000:]}"
+        )
+    return result
