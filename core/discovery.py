@@ -124,24 +124,30 @@ def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
 
 
 @functools.cache
-def _discover_all() -> tuple[PluginRecord, ...]:
+def _entry_points() -> tuple[importlib_metadata.EntryPoint, ...]:
+    # Reading metadata is cheap; importing plugins is not, so loading is separate (and skipped
+    # for third-party plugins when autoload is disabled).
     seen: set[tuple[str, str]] = set()
-    records: list[PluginRecord] = []
+    found = []
     for ep in importlib_metadata.entry_points(group=GROUP):
-        dist_name = ep.dist.name if ep.dist is not None else ""
-        if (dist_name, ep.name) in seen:  # the same distribution seen twice on sys.path
-            continue
-        seen.add((dist_name, ep.name))
-        record = _load(ep)
-        if record.error is not None:
-            message = (
-                f"kwplug: handler plugin {record.describe()} failed to load and is skipped: "
-                f"{record.error}"
-            )
-            warnings.warn(message, PluginLoadWarning, stacklevel=3)
-            logger.warning(message)
-        records.append(record)
-    return tuple(sorted(records, key=_order_key))
+        key = (ep.dist.name if ep.dist is not None else "", ep.name)
+        if key not in seen:  # the same distribution can be seen twice on sys.path
+            seen.add(key)
+            found.append(ep)
+    return tuple(found)
+
+
+@functools.cache
+def _load_cached(ep: importlib_metadata.EntryPoint) -> PluginRecord:
+    record = _load(ep)
+    if record.error is not None:
+        message = (
+            f"kwplug: handler plugin {record.describe()} failed to load and is skipped: "
+            f"{record.error}"
+        )
+        warnings.warn(message, PluginLoadWarning, stacklevel=4)
+        logger.warning(message)
+    return record
 
 
 def _order_key(record: PluginRecord) -> tuple[bool, str, str]:
@@ -149,23 +155,29 @@ def _order_key(record: PluginRecord) -> tuple[bool, str, str]:
     return (record.builtin, record.distribution.lower(), record.name)
 
 
+def _is_own(ep: importlib_metadata.EntryPoint) -> bool:
+    return ep.dist is not None and ep.dist.name == _OWN_DISTRIBUTION
+
+
 def discover(*, refresh: bool = False) -> tuple[PluginRecord, ...]:
     """Return the records of the ``kwplug.handlers`` entry points, in precedence order.
 
     Third-party plugins come first (sorted by distribution name, then entry-point name), then
-    kwplug's built-ins. Failed plugins are included with ``error`` set. With
-    ``KWPLUG_DISABLE_PLUGIN_AUTOLOAD=1`` only kwplug's own entry points are returned.
+    kwplug's built-ins. Failed plugins are included with ``error`` set (and reported once per
+    process with a :class:`PluginLoadWarning`). With ``KWPLUG_DISABLE_PLUGIN_AUTOLOAD=1`` only
+    kwplug's own entry points are loaded; third-party plugins are not even imported.
 
     Args:
         refresh: forget the per-process cache and read the entry points again (after a
             ``pip install`` in the same process).
     """
     if refresh:
-        _discover_all.cache_clear()
-    records = _discover_all()
+        _entry_points.cache_clear()
+        _load_cached.cache_clear()
+    eps = _entry_points()
     if os.environ.get(DISABLE_AUTOLOAD_ENV, "") not in ("", "0"):
-        return tuple(r for r in records if r.builtin)
-    return records
+        eps = tuple(ep for ep in eps if _is_own(ep))
+    return tuple(sorted((_load_cached(ep) for ep in eps), key=_order_key))
 
 
 def loaded(records: Iterable[PluginRecord]) -> list[PluginRecord]:

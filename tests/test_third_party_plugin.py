@@ -1,0 +1,130 @@
+"""A real third-party plugin distribution: built, pip-installed, discovered by entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PLUGIN_MODULE = '''
+import functools
+
+import attrs
+import torch
+
+import kwplug
+
+
+@attrs.define
+class HalfAutocastKwargs(kwplug.KwargsHandler):
+    """Autocast to float16 on CPU whatever mixed_precision says (a toy backend policy)."""
+
+    dtype_name: str = attrs.field(default="float16", validator=attrs.validators.in_(["float16"]))
+
+    @kwplug.hookimpl
+    def autocast(self, device_type):
+        if device_type != "cpu":
+            return None
+        return functools.partial(torch.autocast, "cpu", dtype=getattr(torch, self.dtype_name))
+'''
+
+BROKEN_MODULE = "raise ImportError('this plugin is broken on purpose')\n"
+
+PYPROJECT = '''
+[build-system]
+requires = ["setuptools>=69"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "{name}"
+version = "1.2.3"
+dependencies = []
+
+[project.entry-points."kwplug.handlers"]
+{ep} = "{module}{attr}"
+
+[tool.setuptools]
+py-modules = ["{module}"]
+'''
+
+PROBE = textwrap.dedent(
+    """
+    import json, warnings
+    import torch, kwplug
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = kwplug.discover()
+        acc = kwplug.Accelerator(mixed_precision="bf16", cpu=True)
+    with acc.autocast():
+        dtype = str(torch.get_autocast_dtype("cpu"))
+    print(json.dumps({
+        "dtype": dtype,
+        "plugins": [[r.name, r.distribution, r.version, r.error] for r in records],
+        "warnings": [str(w.message) for w in caught],
+    }))
+    """
+)
+
+
+def build_dist(root: Path, name: str, ep: str, module: str, attr: str, source: str) -> Path:
+    src = root / name
+    src.mkdir()
+    (src / "pyproject.toml").write_text(
+        PYPROJECT.format(name=name, ep=ep, module=module, attr=attr)
+    )
+    (src / f"{module}.py").write_text(source)
+    return src
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("plugins")
+    target = root / "site"
+    good = build_dist(root, "kwplug-halfcast", "halfcast", "kwplug_halfcast",
+                      ":HalfAutocastKwargs", PLUGIN_MODULE)
+    broken = build_dist(root, "kwplug-broken", "broken", "kwplug_broken", "", BROKEN_MODULE)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+         "--no-build-isolation", "--target", str(target), str(good), str(broken)],
+        check=True, timeout=240,
+    )
+    return target
+
+
+def probe(site: Path, **env: str) -> dict:
+    full_env = {**os.environ, "PYTHONPATH": str(site), **env}
+    full_env.pop("KWPLUG_DISABLE_PLUGIN_AUTOLOAD", None)
+    full_env.update(env)
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                         env=full_env, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_installed_plugin_drives_autocast_and_broken_one_is_reported(site: Path) -> None:
+    result = probe(site)
+    # The third-party default answers before the built-in AutocastKwargs (bf16).
+    assert result["dtype"] == "torch.float16"
+    plugins = {p[0]: p for p in result["plugins"]}
+    assert plugins["halfcast"][1:] == ["kwplug-halfcast", "1.2.3", None]
+    assert plugins["autocast"][1] == "kwplug"
+    broken = plugins["broken"]
+    assert broken[1:3] == ["kwplug-broken", "1.2.3"]
+    assert "ImportError: this plugin is broken on purpose" in broken[3]
+    # One warning naming the plugin, its distribution and version, and the cause.
+    [warning] = [w for w in result["warnings"] if "broken" in w]
+    assert "'broken' (kwplug-broken 1.2.3)" in warning and "broken on purpose" in warning
+    # Order: third-party (by distribution) before built-ins.
+    names = [p[0] for p in result["plugins"]]
+    assert names.index("halfcast") < names.index("autocast")
+
+
+def test_disable_autoload_keeps_only_builtins(site: Path) -> None:
+    result = probe(site, KWPLUG_DISABLE_PLUGIN_AUTOLOAD="1")
+    assert result["dtype"] == "torch.bfloat16"
+    assert {p[1] for p in result["plugins"]} == {"kwplug"}
+    assert not [w for w in result["warnings"] if "broken" in w]
