@@ -130,7 +130,7 @@ class Accelerator:
 
     def _collect_comm_hooks(self) -> dict[str, CommHook]:
         pm = self.plugin_manager
-        contributions = []
+        contributions: list[tuple[str, Any]] = []
         # Called impl by impl (the spec takes no arguments) so a duplicate name can be
         # blamed on the plugin that gave it.
         for impl in reversed(pm.hook.comm_hooks.get_hookimpls()):
@@ -230,9 +230,9 @@ class Accelerator:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)``, through the gradient scaler when there is one."""
         if self.scaler is not None:
-            self.scaler.scale(loss).backward(**kwargs)
+            self.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]
         else:
-            loss.backward(**kwargs)
+            loss.backward(**kwargs)  # type: ignore[no-untyped-call]
 
     def clip_grad_norm_(
         self, parameters: Any, max_norm: float, norm_type: float = 2.0
@@ -265,7 +265,9 @@ class Accelerator:
         dist.all_gather(out, tensor.contiguous())
         return torch.cat(out, dim=0)
 
-    def reduce(self, tensor: torch.Tensor, reduction: Literal["sum", "mean"] = "sum") -> torch.Tensor:
+    def reduce(
+        self, tensor: torch.Tensor, reduction: Literal["sum", "mean"] = "sum"
+    ) -> torch.Tensor:
         """All-reduce a copy of ``tensor`` across ranks with ``"sum"`` or ``"mean"``.
 
         Raises:
@@ -293,7 +295,9 @@ class Accelerator:
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Return the user's module from inside DDP/DataParallel/``torch.compile`` wrappers."""
         while True:
-            if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            if isinstance(
+                model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+            ):
                 model = model.module
             elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
                 model = model._orig_mod

@@ -16,8 +16,9 @@ import attrs
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+    from torch._C._distributed_c10d import GradBucket
 
-    HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+    HookFn = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
     StateFactory = Callable[[dist.ProcessGroup | None, Mapping[str, Any]], Any]
 else:
     HookFn = Callable[..., Any]
@@ -109,9 +110,9 @@ def registered_comm_hooks() -> Mapping[str, CommHook]:
     return dict(_REGISTRY)
 
 
-def merge_comm_hooks(contributions: list[tuple[str, Mapping[str, CommHook] | None]]) -> dict[
-    str, CommHook
-]:
+def merge_comm_hooks(
+    contributions: list[tuple[str, Mapping[str, CommHook] | None]],
+) -> dict[str, CommHook]:
     """Merge plugins' ``comm_hooks`` answers with the registry.
 
     Args:

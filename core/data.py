@@ -39,7 +39,7 @@ class PreparedDataLoader(DataLoader[Any]):
         """Set the epoch used by the next iteration (for resuming)."""
         self.epoch = epoch
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if isinstance(self.sampler, DistributedSampler):
             self.sampler.set_epoch(self.epoch)
         self.epoch += 1
@@ -92,8 +92,11 @@ def prepare_dataloader(
         kwargs["multiprocessing_context"] = loader.multiprocessing_context
     if iterable:
         return PreparedDataLoader(
-            loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
-            device=device, **kwargs,
+            loader.dataset,
+            batch_size=loader.batch_size,
+            drop_last=loader.drop_last,
+            device=device,
+            **kwargs,
         )
     if loader.batch_size is None:  # user batch_sampler: keep it
         return PreparedDataLoader(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, ClassVar
 
 import attrs
@@ -56,7 +55,11 @@ class KwargsHandler:
         }
 
 
-@functools.cache
+_DEFAULTS: dict[type[KwargsHandler], dict[str, Any]] = {}
+
+
 def _default_values(cls: type[KwargsHandler]) -> dict[str, Any]:
     # Built once per class: handler construction must not depend on the environment.
-    return attrs.asdict(cls(), recurse=False)
+    if cls not in _DEFAULTS:
+        _DEFAULTS[cls] = attrs.asdict(cls(), recurse=False)
+    return _DEFAULTS[cls]

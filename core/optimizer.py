@@ -31,7 +31,9 @@ class ScaledOptimizer(torch.optim.Optimizer):
         self.scaler = scaler
         self._last_scale = -1.0
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float] | None = None
+    ) -> float | None:
         """``scaler.step(optimizer, closure)`` followed by ``scaler.update()``."""
         self._last_scale = self.scaler.get_scale()
         if closure is None:
@@ -58,7 +60,7 @@ class ScaledOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's ``load_state_dict``."""
         self.optimizer.load_state_dict(state_dict)
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's ``param_groups``."""
         return self.optimizer.param_groups
@@ -67,13 +69,13 @@ class ScaledOptimizer(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]
         """The wrapped optimizer's per-parameter ``state``."""
         return self.optimizer.state
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped optimizer's ``defaults``."""
         return self.optimizer.defaults
 

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 
-def number(
-    *, integer: bool = False, gt: float | None = None, ge: float | None = None
-) -> Validator:
+def number(*, integer: bool = False, gt: float | None = None, ge: float | None = None) -> Validator:
     """Validate a finite real number (never a ``bool``), optionally an ``int``, in a range.
 
     Raises (from the validator):
@@ -34,17 +32,16 @@ def number(
         bounds.append(f">= {ge}")
 
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        number: float
         if isinstance(value, bool) or not isinstance(value, kinds):
             raise TypeError(
-                f"'{attribute.name}' must be {wanted}, got {value!r} of type "
-                f"{type(value).__name__}"
+                f"'{attribute.name}' must be {wanted}, got {value!r} of type {type(value).__name__}"
             )
-        if not math.isfinite(value):
+        number = cast(float, value)  # int or float, checked above
+        if not math.isfinite(number):
             raise ValueError(f"'{attribute.name}' must be finite, got {value!r}")
-        if (gt is not None and not value > gt) or (ge is not None and not value >= ge):
-            raise ValueError(
-                f"'{attribute.name}' must be {' and '.join(bounds)}, got {value!r}"
-            )
+        if (gt is not None and not number > gt) or (ge is not None and not number >= ge):
+            raise ValueError(f"'{attribute.name}' must be {' and '.join(bounds)}, got {value!r}")
 
     return check
 

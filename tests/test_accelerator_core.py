@@ -40,7 +40,11 @@ class DecliningAutocast(KwargsHandler):
 def test_hookspecs_are_documented_and_firstresult() -> None:
     specs = {n for n in dir(HandlerSpec) if not n.startswith("_")}
     assert specs == {
-        "autocast", "wrap_model", "make_scaler", "init_process_group", "make_profiler",
+        "autocast",
+        "wrap_model",
+        "make_scaler",
+        "init_process_group",
+        "make_profiler",
         "comm_hooks",
     }
     for name in specs:
@@ -93,12 +97,14 @@ def test_subclass_of_builtin_replaces_it() -> None:
         def make_scaler(self, device_type: str, mixed_precision: str) -> Any:
             return torch.amp.GradScaler(device_type, init_scale=8.0)
 
-    accelerator = kwplug.Accelerator(mixed_precision="fp16", cpu=True,
-                                     kwargs_handlers=[Fp16Scaler()])
+    accelerator = kwplug.Accelerator(
+        mixed_precision="fp16", cpu=True, kwargs_handlers=[Fp16Scaler()]
+    )
     assert accelerator.scaler is not None and accelerator.scaler.get_scale() == 8.0
     names = accelerator.plugin_manager.list_name_plugin()
-    assert not any(isinstance(p, GradScalerKwargs) and type(p) is GradScalerKwargs
-                   for _, p in names)
+    assert not any(
+        isinstance(p, GradScalerKwargs) and type(p) is GradScalerKwargs for _, p in names
+    )
 
 
 def test_duplicate_handler_class_is_value_error() -> None:

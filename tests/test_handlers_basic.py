@@ -65,8 +65,11 @@ def test_to_kwargs_does_not_touch_environ(monkeypatch: pytest.MonkeyPatch) -> No
         def get(self, key: str, default: Any = None) -> Any:
             raise AssertionError(f"os.environ.get({key!r}) read")
 
-    handlers = [AutocastKwargs(enabled=False), GradScalerKwargs(init_scale=2.0),
-                InitProcessGroupKwargs(backend="gloo")]
+    handlers = [
+        AutocastKwargs(enabled=False),
+        GradScalerKwargs(init_scale=2.0),
+        InitProcessGroupKwargs(backend="gloo"),
+    ]
     monkeypatch.setattr(os, "environ", Spy())
     for handler in handlers:
         handler.to_kwargs()
@@ -121,7 +124,9 @@ def test_backend_resolution() -> None:
     assert InitProcessGroupKwargs(backend="mpi").resolved_backend("cpu") == "mpi"
 
 
-@pytest.mark.parametrize(("precision", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)]
+)
 def test_autocast_dtype_on_cpu(precision: str, dtype: torch.dtype) -> None:
     accelerator = kwplug.Accelerator(mixed_precision=precision, cpu=True)
     a, b = torch.randn(4, 4), torch.randn(4, 4)
@@ -154,8 +159,11 @@ def test_fp16_scaler_is_real_on_cpu() -> None:
     accelerator = kwplug.Accelerator(
         mixed_precision="fp16",
         cpu=True,
-        kwargs_handlers=[GradScalerKwargs(init_scale=1024.0, growth_factor=4.0,
-                                          backoff_factor=0.25, growth_interval=3)],
+        kwargs_handlers=[
+            GradScalerKwargs(
+                init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3
+            )
+        ],
     )
     scaler = accelerator.scaler
     assert isinstance(scaler, torch.amp.GradScaler)

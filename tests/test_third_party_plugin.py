@@ -35,7 +35,7 @@ class HalfAutocastKwargs(kwplug.KwargsHandler):
 
 BROKEN_MODULE = "raise ImportError('this plugin is broken on purpose')\n"
 
-PYPROJECT = '''
+PYPROJECT = """
 [build-system]
 requires = ["setuptools>=69"]
 build-backend = "setuptools.build_meta"
@@ -50,7 +50,7 @@ dependencies = []
 
 [tool.setuptools]
 py-modules = ["{module}"]
-'''
+"""
 
 PROBE = textwrap.dedent(
     """
@@ -85,13 +85,26 @@ def build_dist(root: Path, name: str, ep: str, module: str, attr: str, source: s
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("plugins")
     target = root / "site"
-    good = build_dist(root, "kwplug-halfcast", "halfcast", "kwplug_halfcast",
-                      ":HalfAutocastKwargs", PLUGIN_MODULE)
+    good = build_dist(
+        root, "kwplug-halfcast", "halfcast", "kwplug_halfcast", ":HalfAutocastKwargs", PLUGIN_MODULE
+    )
     broken = build_dist(root, "kwplug-broken", "broken", "kwplug_broken", "", BROKEN_MODULE)
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-         "--no-build-isolation", "--target", str(target), str(good), str(broken)],
-        check=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(good),
+            str(broken),
+        ],
+        check=True,
+        timeout=240,
     )
     return target
 
@@ -100,8 +113,14 @@ def probe(site: Path, **env: str) -> dict:
     full_env = {**os.environ, "PYTHONPATH": str(site), **env}
     full_env.pop("KWPLUG_DISABLE_PLUGIN_AUTOLOAD", None)
     full_env.update(env)
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                         env=full_env, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=120,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -57,9 +57,7 @@ def main() -> None:
     loader = accelerator.prepare(DataLoader(dataset, batch_size=2, shuffle=True))
     result["epochs"] = [[int(x) for (b,) in loader for x in b] for _ in range(2)]
     result["plain"] = [
-        int(x)
-        for (b,) in accelerator.prepare(DataLoader(dataset, batch_size=3))
-        for x in b
+        int(x) for (b,) in accelerator.prepare(DataLoader(dataset, batch_size=3)) for x in b
     ]
     accelerator.print("printed-by-main")
     accelerator.wait_for_everyone()
