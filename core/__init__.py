@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from kwplug.accelerator import Accelerator
 from kwplug.comm_hooks import CommHook, register_comm_hook, unregister_comm_hook
-from kwplug.discovery import PluginLoadWarning, discover
+from kwplug.discovery import discover
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import hookimpl, hookspec
+from kwplug.loading import PluginLoadError, PluginLoadWarning
 
 if TYPE_CHECKING:
     from kwplug.plugins import (
@@ -37,6 +38,7 @@ __all__ = [
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
     "KwargsHandler",
+    "PluginLoadError",
     "PluginLoadWarning",
     "ProfileKwargs",
     "__version__",

@@ -7,14 +7,16 @@ unless ``register_default`` is false) or any other pluggy plugin object, such as
 pluggy's validation against the hook specs is reported (warning :class:`PluginLoadWarning`)
 with its entry-point name, distribution, version and the reason; the others still load.
 
-``KWPLUG_DISABLE_PLUGIN_AUTOLOAD=1`` loads only kwplug's own built-in handlers.
+Which plugins are imported at all is governed by the loading controls of
+:mod:`kwplug.loading` (``KWPLUG_DISABLE_PLUGIN_AUTOLOAD``, ``KWPLUG_PLUGINS``,
+``KWPLUG_BLOCK_PLUGINS``, ``KWPLUG_STRICT_PLUGINS``); a blocked or disabled plugin is listed but
+never imported.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -25,16 +27,12 @@ import pluggy
 
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import PROJECT_NAME, HandlerSpec
+from kwplug.loading import LoadControls, PluginLoadError, PluginLoadWarning
 
 GROUP = "kwplug.handlers"
-DISABLE_AUTOLOAD_ENV = "KWPLUG_DISABLE_PLUGIN_AUTOLOAD"
 _OWN_DISTRIBUTION = "kwplug"
 
 logger = logging.getLogger(__name__)
-
-
-class PluginLoadWarning(UserWarning):
-    """A handler plugin could not be loaded; the message names it and says why."""
 
 
 @attrs.frozen
@@ -46,8 +44,11 @@ class PluginRecord:
         value: the entry-point target, ``"module:attr"``.
         distribution: name of the distribution that declares it (``"kwplug"`` for built-ins).
         version: that distribution's version.
-        obj: the loaded object (handler class or plugin), or ``None`` when loading failed.
-        error: why loading failed (``None`` when it loaded).
+        obj: the loaded object (handler class or plugin), or ``None`` when not loaded.
+        error: why loading failed (``None`` when it loaded or was not tried).
+        status: ``"loaded"``, ``"failed"``, ``"blocked"`` (``KWPLUG_BLOCK_PLUGINS``) or
+            ``"disabled"`` (``KWPLUG_DISABLE_PLUGIN_AUTOLOAD``, ``KWPLUG_PLUGINS``).
+        hooks: names of the hooks the plugin implements (empty when not loaded).
     """
 
     name: str
@@ -56,6 +57,13 @@ class PluginRecord:
     version: str
     obj: Any = None
     error: str | None = None
+    status: str = "loaded"
+    hooks: tuple[str, ...] = ()
+
+    @property
+    def source(self) -> str:
+        """``"built-in"`` or ``"third-party"``."""
+        return "built-in" if self.builtin else "third-party"
 
     @property
     def builtin(self) -> bool:
@@ -65,7 +73,7 @@ class PluginRecord:
     @property
     def loaded(self) -> bool:
         """True when the plugin imported and validated."""
-        return self.error is None
+        return self.status == "loaded"
 
     @property
     def handler_class(self) -> type[KwargsHandler] | None:
@@ -115,12 +123,14 @@ def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
         # Validate hookimpls against the specs now, so a broken plugin is reported once here
         # instead of failing every Accelerator later.
         pm = new_plugin_manager()
-        pm.register(plugin_object(attrs.evolve(record, obj=obj)))
+        plugin = plugin_object(attrs.evolve(record, obj=obj))
+        pm.register(plugin)
         pm.check_pending()
+        hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
     except Exception as exc:  # any failure of third-party code must not take kwplug down
         reason = f"{type(exc).__name__}: {exc}".strip()
-        return attrs.evolve(record, error=reason)
-    return attrs.evolve(record, obj=obj)
+        return attrs.evolve(record, error=reason, status="failed")
+    return attrs.evolve(record, obj=obj, hooks=hooks)
 
 
 @functools.cache
@@ -150,34 +160,60 @@ def _load_cached(ep: importlib_metadata.EntryPoint) -> PluginRecord:
     return record
 
 
+def _dist(ep: importlib_metadata.EntryPoint) -> tuple[str, str]:
+    if ep.dist is None:
+        return "<unknown>", "<unknown>"
+    return ep.dist.name, ep.dist.version
+
+
 def _order_key(record: PluginRecord) -> tuple[bool, str, str]:
     # Third-party plugins first (by distribution, then entry-point name), built-ins last.
     return (record.builtin, record.distribution.lower(), record.name)
 
 
-def _is_own(ep: importlib_metadata.EntryPoint) -> bool:
-    return ep.dist is not None and ep.dist.name == _OWN_DISTRIBUTION
+@functools.cache
+def _warn_unknown_once(controls: LoadControls, known: tuple[tuple[str, str], ...]) -> None:
+    controls.warn_unknown(known)
 
 
 def discover(*, refresh: bool = False) -> tuple[PluginRecord, ...]:
     """Return the records of the ``kwplug.handlers`` entry points, in precedence order.
 
     Third-party plugins come first (sorted by distribution name, then entry-point name), then
-    kwplug's built-ins. Failed plugins are included with ``error`` set (and reported once per
-    process with a :class:`PluginLoadWarning`). With ``KWPLUG_DISABLE_PLUGIN_AUTOLOAD=1`` only
-    kwplug's own entry points are loaded; third-party plugins are not even imported.
+    kwplug's built-ins; the order does not depend on the order entry points are found in.
+    Every entry point is listed with its ``status``; only ``"loaded"`` ones take part in
+    hook calls. A failed plugin is reported once per process with a
+    :class:`~kwplug.loading.PluginLoadWarning`; blocked and disabled plugins are not imported.
 
     Args:
         refresh: forget the per-process cache and read the entry points again (after a
             ``pip install`` in the same process).
+
+    Raises:
+        PluginLoadError: a plugin failed to load and ``KWPLUG_STRICT_PLUGINS=1``.
     """
     if refresh:
         _entry_points.cache_clear()
         _load_cached.cache_clear()
-    eps = _entry_points()
-    if os.environ.get(DISABLE_AUTOLOAD_ENV, "") not in ("", "0"):
-        eps = tuple(ep for ep in eps if _is_own(ep))
-    return tuple(sorted((_load_cached(ep) for ep in eps), key=_order_key))
+    controls = LoadControls.from_env()
+    records = []
+    for ep in _entry_points():
+        distribution, version = _dist(ep)
+        status = controls.status(ep.name, distribution, distribution == _OWN_DISTRIBUTION)
+        if status is None:
+            records.append(_load_cached(ep))
+        else:
+            records.append(PluginRecord(ep.name, ep.value, distribution, version, status=status))
+    if controls.allow or controls.block:
+        _warn_unknown_once(controls, tuple(sorted((r.name, r.distribution) for r in records)))
+    if controls.strict:
+        failed = [r for r in records if r.status == "failed"]
+        if failed:
+            raise PluginLoadError(
+                "KWPLUG_STRICT_PLUGINS is set and handler plugin(s) failed to load: "
+                + "; ".join(f"{r.describe()}: {r.error}" for r in failed)
+            )
+    return tuple(sorted(records, key=_order_key))
 
 
 def loaded(records: Iterable[PluginRecord]) -> list[PluginRecord]:

@@ -64,7 +64,7 @@ PROBE = textwrap.dedent(
         dtype = str(torch.get_autocast_dtype("cpu"))
     print(json.dumps({
         "dtype": dtype,
-        "plugins": [[r.name, r.distribution, r.version, r.error] for r in records],
+        "plugins": [[r.name, r.distribution, r.version, r.error, r.status] for r in records],
         "warnings": [str(w.message) for w in caught],
     }))
     """
@@ -129,11 +129,12 @@ def test_installed_plugin_drives_autocast_and_broken_one_is_reported(site: Path)
     # The third-party default answers before the built-in AutocastKwargs (bf16).
     assert result["dtype"] == "torch.float16"
     plugins = {p[0]: p for p in result["plugins"]}
-    assert plugins["halfcast"][1:] == ["kwplug-halfcast", "1.2.3", None]
+    assert plugins["halfcast"][1:] == ["kwplug-halfcast", "1.2.3", None, "loaded"]
     assert plugins["autocast"][1] == "kwplug"
     broken = plugins["broken"]
     assert broken[1:3] == ["kwplug-broken", "1.2.3"]
     assert "ImportError: this plugin is broken on purpose" in broken[3]
+    assert broken[4] == "failed"
     # One warning naming the plugin, its distribution and version, and the cause.
     [warning] = [w for w in result["warnings"] if "broken" in w]
     assert "'broken' (kwplug-broken 1.2.3)" in warning and "broken on purpose" in warning
@@ -142,8 +143,49 @@ def test_installed_plugin_drives_autocast_and_broken_one_is_reported(site: Path)
     assert names.index("halfcast") < names.index("autocast")
 
 
+def statuses(result: dict) -> dict[str, str]:
+    return {p[0]: p[4] for p in result["plugins"]}
+
+
 def test_disable_autoload_keeps_only_builtins(site: Path) -> None:
     result = probe(site, KWPLUG_DISABLE_PLUGIN_AUTOLOAD="1")
     assert result["dtype"] == "torch.bfloat16"
-    assert {p[1] for p in result["plugins"]} == {"kwplug"}
-    assert not [w for w in result["warnings"] if "broken" in w]
+    status = statuses(result)
+    assert status["halfcast"] == status["broken"] == "disabled"
+    assert {s for n, s in status.items() if n not in ("halfcast", "broken")} == {"loaded"}
+    # Disabled plugins are not even imported: the broken one raises no warning.
+    assert not [w for w in result["warnings"] if "broken on purpose" in w]
+
+
+def test_allow_list_by_distribution_or_entry_point(site: Path) -> None:
+    for allow in ("kwplug-halfcast", "halfcast", "kwplug-halfcast:halfcast"):
+        result = probe(site, KWPLUG_PLUGINS=allow)
+        assert result["dtype"] == "torch.float16"
+        assert statuses(result)["broken"] == "disabled"
+        assert not [w for w in result["warnings"] if "broken on purpose" in w]
+    result = probe(site, KWPLUG_PLUGINS="")  # set but empty: no third-party plugins
+    assert result["dtype"] == "torch.bfloat16"
+    assert statuses(result)["halfcast"] == "disabled"
+
+
+def test_block_list_and_unknown_names(site: Path) -> None:
+    result = probe(site, KWPLUG_BLOCK_PLUGINS="halfcast,broken,no-such-plugin")
+    assert result["dtype"] == "torch.bfloat16"
+    assert statuses(result)["halfcast"] == statuses(result)["broken"] == "blocked"
+    [warning] = [w for w in result["warnings"] if "no-such-plugin" in w]
+    assert "KWPLUG_BLOCK_PLUGINS" in warning and "halfcast (kwplug-halfcast)" in warning
+
+
+def test_strict_mode_turns_a_load_failure_into_an_error(site: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(site), "KWPLUG_STRICT_PLUGINS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", "import kwplug; kwplug.Accelerator()"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode != 0
+    assert "PluginLoadError" in run.stderr
+    assert "'broken' (kwplug-broken 1.2.3)" in run.stderr and "broken on purpose" in run.stderr

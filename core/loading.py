@@ -1,0 +1,106 @@
+"""Loading controls: which discovered plugins are loaded, read from environment variables.
+
+One grammar for every variable: a comma-separated list of names, each an entry-point name
+(``ddp``), a distribution name (``kwplug-fsdp``) or ``distribution:entry-point``. These are the
+names ``kwplug plugins`` shows.
+
+- ``KWPLUG_DISABLE_PLUGIN_AUTOLOAD=1``: load only kwplug's own built-ins.
+- ``KWPLUG_PLUGINS=a,b``: allow-list of third-party plugins (set but empty: none).
+- ``KWPLUG_BLOCK_PLUGINS=c``: deny-list (built-ins can be blocked too).
+- ``KWPLUG_STRICT_PLUGINS=1``: a plugin that fails to load raises :class:`PluginLoadError`
+  instead of being skipped with a warning (for plugin authors' CI).
+
+An unknown name is a :class:`PluginLoadWarning` listing the known names.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+DISABLE_AUTOLOAD_ENV = "KWPLUG_DISABLE_PLUGIN_AUTOLOAD"
+ALLOW_ENV = "KWPLUG_PLUGINS"
+BLOCK_ENV = "KWPLUG_BLOCK_PLUGINS"
+STRICT_ENV = "KWPLUG_STRICT_PLUGINS"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+
+
+class PluginLoadWarning(UserWarning):
+    """A handler plugin could not be loaded, or a loading control names no plugin."""
+
+
+class PluginLoadError(RuntimeError):
+    """A handler plugin failed to load while ``KWPLUG_STRICT_PLUGINS=1``."""
+
+
+def _flag(environ: Mapping[str, str], name: str) -> bool:
+    return environ.get(name, "").strip().lower() in _TRUE
+
+
+def _names(raw: str | None) -> frozenset[str] | None:
+    if raw is None:
+        return None
+    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+def plugin_names(name: str, distribution: str) -> frozenset[str]:
+    """Every name a control may use for a plugin."""
+    return frozenset({name, distribution, f"{distribution}:{name}"})
+
+
+@attrs.frozen
+class LoadControls:
+    """The loading controls in force (see the module docstring).
+
+    Attributes:
+        builtins_only: ``KWPLUG_DISABLE_PLUGIN_AUTOLOAD`` is true.
+        allow: ``KWPLUG_PLUGINS`` names, or ``None`` when unset (all third-party plugins).
+        block: ``KWPLUG_BLOCK_PLUGINS`` names.
+        strict: ``KWPLUG_STRICT_PLUGINS`` is true.
+    """
+
+    builtins_only: bool = False
+    allow: frozenset[str] | None = None
+    block: frozenset[str] = frozenset()
+    strict: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> LoadControls:
+        """Read the controls from ``environ`` (default ``os.environ``)."""
+        env = os.environ if environ is None else environ
+        return cls(
+            builtins_only=_flag(env, DISABLE_AUTOLOAD_ENV),
+            allow=_names(env.get(ALLOW_ENV)),
+            block=_names(env.get(BLOCK_ENV)) or frozenset(),
+            strict=_flag(env, STRICT_ENV),
+        )
+
+    def status(self, name: str, distribution: str, builtin: bool) -> str | None:
+        """``"blocked"``, ``"disabled"``, or ``None`` when the plugin is to be loaded."""
+        names = plugin_names(name, distribution)
+        if names & self.block:
+            return "blocked"
+        if builtin:
+            return None
+        if self.builtins_only or (self.allow is not None and not names & self.allow):
+            return "disabled"
+        return None
+
+    def warn_unknown(self, known: Iterable[tuple[str, str]]) -> None:
+        """Warn about control names that match no discovered plugin, listing the known ones."""
+        pairs = list(known)
+        valid = frozenset().union(*(plugin_names(n, d) for n, d in pairs)) if pairs else set()
+        for env_name, names in ((ALLOW_ENV, self.allow), (BLOCK_ENV, self.block)):
+            unknown = sorted((names or frozenset()) - valid)
+            if unknown:
+                listing = ", ".join(sorted(f"{n} ({d})" for n, d in pairs)) or "none"
+                warnings.warn(
+                    f"{env_name} names unknown plugin(s) {', '.join(unknown)}; known plugins "
+                    f"(entry point (distribution)): {listing}",
+                    PluginLoadWarning,
+                    stacklevel=4,
+                )
