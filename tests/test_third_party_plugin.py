@@ -189,3 +189,46 @@ def test_strict_mode_turns_a_load_failure_into_an_error(site: Path) -> None:
     assert run.returncode != 0
     assert "PluginLoadError" in run.stderr
     assert "'broken' (kwplug-broken 1.2.3)" in run.stderr and "broken on purpose" in run.stderr
+
+
+def cli(site: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "PYTHONPATH": str(site), **env}
+    return subprocess.run(
+        [sys.executable, "-m", "kwplug", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=120,
+        check=True,
+    )
+
+
+def test_cli_plugins_lists_every_plugin_with_status(site: Path) -> None:
+    rows = {r["name"]: r for r in json.loads(cli(site, "plugins", "--json").stdout)}
+    assert rows["halfcast"] == {
+        "name": "halfcast",
+        "class": "kwplug_halfcast.HalfAutocastKwargs",
+        "distribution": "kwplug-halfcast",
+        "version": "1.2.3",
+        "hooks": ["autocast"],
+        "status": "loaded",
+        "source": "third-party",
+    }
+    assert rows["broken"]["status"].startswith("failed: ImportError: this plugin is broken")
+    assert rows["ddp"]["hooks"] == ["wrap_model"] and rows["ddp"]["source"] == "built-in"
+    # The names shown are the names the controls accept.
+    blocked = json.loads(cli(site, "plugins", "--json", KWPLUG_BLOCK_PLUGINS="halfcast").stdout)
+    assert {r["name"]: r["status"] for r in blocked}["halfcast"] == "blocked"
+    table = cli(site, "plugins").stdout
+    assert table.splitlines()[0].split() == [
+        "NAME",
+        "CLASS",
+        "DISTRIBUTION",
+        "VERSION",
+        "HOOKS",
+        "STATUS",
+        "SOURCE",
+    ]
+    assert "kwplug-halfcast" in table
+    env = cli(site, "env").stdout
+    assert "torch" in env and "gloo=yes" in env and "halfcast" in env

@@ -1,0 +1,146 @@
+"""The ``kwplug`` command line: ``kwplug plugins`` and ``kwplug env``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kwplug.discovery import PluginRecord, discover
+
+COLUMNS = ("name", "class", "distribution", "version", "hooks", "status", "source")
+
+
+def plugin_rows(records: Sequence[PluginRecord]) -> list[dict[str, Any]]:
+    """One row per discovered plugin, with the columns of ``kwplug plugins``."""
+    rows = []
+    for r in records:
+        obj = r.obj
+        target = (
+            f"{obj.__module__}.{obj.__qualname__}"
+            if isinstance(obj, type)
+            else getattr(obj, "__name__", r.value)
+        )
+        status = f"failed: {r.error}" if r.status == "failed" else r.status
+        rows.append(
+            {
+                "name": r.name,
+                "class": target if r.loaded else r.value,
+                "distribution": r.distribution,
+                "version": r.version,
+                "hooks": list(r.hooks),
+                "status": status,
+                "source": r.source,
+            }
+        )
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = COLUMNS) -> str:
+    """A plain-text table, one line per row, columns padded to their widest cell."""
+
+    def cell(value: Any) -> str:
+        return ", ".join(value) if isinstance(value, list) else str(value)
+
+    cells = [[cell(row[c]) for c in columns] for row in rows]
+    widths = [max([len(c), *(len(line[i]) for line in cells)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def environment() -> dict[str, Any]:
+    """Versions, devices and distributed backends: what a bug report needs."""
+    import attrs
+    import importlib_metadata
+    import pluggy
+    import torch
+    import torch.distributed as dist
+
+    def version(name: str) -> str:
+        try:
+            return importlib_metadata.version(name)
+        except importlib_metadata.PackageNotFoundError:
+            return "not installed"
+
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    backends = {}
+    if dist.is_available():
+        for name in ("gloo", "nccl", "mpi", "ucc", "xccl"):
+            check = getattr(dist, f"is_{name}_available", None)
+            backends[name] = bool(check()) if check is not None else False
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "kwplug": version("kwplug"),
+        "torch": torch.__version__,
+        "pluggy": pluggy.__version__,
+        "attrs": attrs.__version__,
+        "importlib_metadata": version("importlib-metadata"),
+        "accelerator": current.type if current is not None else None,
+        "device_count": accelerator.device_count() if current is not None else 0,
+        "cuda_available": torch.cuda.is_available(),
+        "distributed_available": dist.is_available(),
+        "distributed_backends": backends,
+    }
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    rows = plugin_rows(discover())
+    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    return 0
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    info = environment()
+    rows = plugin_rows(discover())
+    if args.json:
+        print(json.dumps({**info, "plugins": rows}, indent=2))
+        return 0
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in value.items())
+        print(f"{key.ljust(width)}  {value}")
+    print()
+    print(format_table(rows))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kwplug`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="kwplug", description="Inspect kwplug's handler plugins and environment."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    plugins = sub.add_parser(
+        "plugins",
+        help="list discovered handler plugins",
+        description="List every kwplug.handlers entry point with its status. The NAME and "
+        "DISTRIBUTION shown are what KWPLUG_PLUGINS and KWPLUG_BLOCK_PLUGINS accept.",
+    )
+    plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plugins.set_defaults(func=_cmd_plugins)
+    env = sub.add_parser("env", help="versions, devices, backends and plugins, for bug reports")
+    env.add_argument("--json", action="store_true", help="print JSON instead of text")
+    env.set_defaults(func=_cmd_env)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kwplug`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        result: int = args.func(args)
+    except BrokenPipeError:  # `kwplug plugins | head`
+        sys.stderr.close()
+        return 0
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

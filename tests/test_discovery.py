@@ -1,0 +1,56 @@
+"""Discovery order and records, independent of the order entry points are found in."""
+
+from __future__ import annotations
+
+import importlib_metadata
+import pytest
+
+from kwplug import discovery
+
+
+def test_builtins_are_discovered_with_their_hooks() -> None:
+    records = {r.name: r for r in discovery.discover()}
+    assert {n: r.hooks for n, r in records.items() if r.builtin} == {
+        "autocast": ("autocast",),
+        "ddp": ("wrap_model",),
+        "ddp_comm_hooks": ("comm_hooks",),
+        "grad_scaler": ("make_scaler",),
+        "init_process_group": ("init_process_group",),
+        "profile": ("make_profiler",),
+    }
+    assert all(
+        r.status == "loaded" and r.source == "built-in" for r in records.values() if r.builtin
+    )
+
+
+def test_order_does_not_depend_on_entry_point_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake(dist: str, name: str) -> importlib_metadata.EntryPoint:
+        ep = importlib_metadata.EntryPoint(
+            name, "kwplug.plugins.autocast:AutocastKwargs", discovery.GROUP
+        )
+        meta = type("Dist", (), {"name": dist, "version": "1.0"})()
+        return ep._for(meta)  # type: ignore[attr-defined, no-any-return]
+
+    eps = [
+        fake("kwplug", "autocast"),
+        fake("zeta-plugins", "a"),
+        fake("alpha-plugins", "z"),
+        fake("alpha-plugins", "b"),
+        fake("kwplug", "ddp"),
+    ]
+    orders = []
+    for arrangement in (eps, eps[::-1], eps[2:] + eps[:2]):
+        monkeypatch.setattr(discovery, "_entry_points", lambda a=tuple(arrangement): a)
+        orders.append([(r.distribution, r.name) for r in discovery.discover()])
+    assert (
+        orders[0]
+        == orders[1]
+        == orders[2]
+        == [
+            ("alpha-plugins", "b"),
+            ("alpha-plugins", "z"),
+            ("zeta-plugins", "a"),
+            ("kwplug", "autocast"),
+            ("kwplug", "ddp"),
+        ]
+    )
