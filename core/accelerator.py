@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -108,6 +109,24 @@ class Accelerator:
             mixed_precision,
             list(self._plugin_descriptions.values()),
         )
+
+    @classmethod
+    def from_config(
+        cls, source: str | os.PathLike[str] | Mapping[str, Any], **overrides: Any
+    ) -> Accelerator:
+        """Build an Accelerator from a TOML file or mapping (see :mod:`kwplug.config`).
+
+        Args:
+            source: path of a TOML file, or a mapping: top-level ``mixed_precision`` and
+                ``cpu``, and one ``[handlers.<entry-point name>]`` table per handler.
+            overrides: Accelerator keyword arguments that replace the configured ones.
+
+        Raises:
+            kwplug.config.ConfigError: a ``ValueError`` naming the file, table and key.
+        """
+        from kwplug.config import load_config
+
+        return cls(**{**load_config(source), **overrides})
 
     # -- process information ------------------------------------------------------------
 

@@ -1,0 +1,113 @@
+"""Building an Accelerator's settings and handlers from a TOML file or a mapping.
+
+The format, keyed by the entry-point names ``kwplug plugins`` shows::
+
+    mixed_precision = "bf16"      # optional, Accelerator(mixed_precision=...)
+    cpu = false                   # optional, Accelerator(cpu=...)
+
+    [handlers.ddp]
+    comm_hook = "bf16"
+    bucket_cap_mb = 50
+
+    [handlers.init_process_group]
+    timeout = 120                 # seconds
+
+Third-party handlers are configured the same way, by their entry-point name.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kwplug.discovery import discover
+from kwplug.handler import KwargsHandler
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+ACCELERATOR_KEYS = ("mixed_precision", "cpu")
+
+
+class ConfigError(ValueError):
+    """A configuration file or mapping is invalid; the message names the file, table and key."""
+
+
+def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """Read ``source`` and return the Accelerator keyword arguments it describes.
+
+    Args:
+        source: a path to a TOML file, or a mapping with the same structure.
+
+    Returns:
+        ``{"mixed_precision": ..., "cpu": ..., "kwargs_handlers": [...]}`` (only the keys given,
+        ``kwargs_handlers`` always), handlers in the order of the ``[handlers.*]`` tables.
+
+    Raises:
+        ConfigError (a ``ValueError``): unreadable or malformed TOML, an unknown top-level key,
+            an unknown handler name (the message lists the known ones), a table that is not a
+            table, an unknown key in a handler table (lists the accepted keys), or a value the
+            handler rejects (its ``TypeError``/``ValueError`` message, prefixed with the place).
+    """
+    if isinstance(source, Mapping):
+        where, data = "<mapping>", dict(source)
+    else:
+        path = Path(source)
+        where = str(path)
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read configuration: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{where}: malformed TOML: {exc}") from exc
+
+    unknown = sorted(set(data) - {*ACCELERATOR_KEYS, "handlers"})
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; accepted: "
+            f"{', '.join((*ACCELERATOR_KEYS, 'handlers'))}"
+        )
+    kwargs: dict[str, Any] = {k: data[k] for k in ACCELERATOR_KEYS if k in data}
+    tables = data.get("handlers", {})
+    if not isinstance(tables, Mapping):
+        raise ConfigError(f"{where}: 'handlers' must be a table of [handlers.<name>] tables")
+    kwargs["kwargs_handlers"] = [
+        build_handler(name, options, where) for name, options in tables.items()
+    ]
+    return kwargs
+
+
+def build_handler(name: str, options: Any, where: str = "<mapping>") -> KwargsHandler:
+    """Construct the handler registered under entry-point ``name`` from ``options``.
+
+    Raises:
+        ConfigError: see :func:`load_config`.
+    """
+    place = f"{where}: [handlers.{name}]"
+    classes = {r.name: r.handler_class for r in discover() if r.loaded and r.handler_class}
+    cls = classes.get(name)
+    if cls is None:
+        raise ConfigError(
+            f"{place}: no handler plugin named {name!r}; known: {', '.join(sorted(classes))}"
+        )
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"{place} must be a table of options, got {options!r}")
+    accepted = [f.name for f in attrs.fields(cls) if f.init]
+    for key in options:
+        if key not in accepted:
+            raise ConfigError(
+                f"{place}: unknown key {key!r} for {cls.__qualname__}; accepted: "
+                f"{', '.join(accepted)}"
+            )
+    try:
+        return cls(**options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{place}: {exc}") from exc

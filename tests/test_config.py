@@ -1,0 +1,92 @@
+"""Accelerator.from_config: TOML files and mappings keyed by entry-point name."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+import kwplug
+from kwplug import AutocastKwargs, GradScalerKwargs, InitProcessGroupKwargs
+from kwplug.config import ConfigError, load_config
+
+GOOD = """
+mixed_precision = "fp16"
+cpu = true
+
+[handlers.grad_scaler]
+init_scale = 256.0
+growth_interval = 10
+
+[handlers.init_process_group]
+backend = "gloo"
+timeout = 120
+
+[handlers.autocast]
+cache_enabled = false
+"""
+
+
+def test_toml_file_builds_handlers_and_accelerator(tmp_path: Path) -> None:
+    path = tmp_path / "kwplug.toml"
+    path.write_text(GOOD)
+    kwargs = load_config(path)
+    assert kwargs["mixed_precision"] == "fp16" and kwargs["cpu"] is True
+    assert kwargs["kwargs_handlers"] == [
+        GradScalerKwargs(init_scale=256.0, growth_interval=10),
+        InitProcessGroupKwargs(backend="gloo", timeout=timedelta(seconds=120)),
+        AutocastKwargs(cache_enabled=False),
+    ]
+    accelerator = kwplug.Accelerator.from_config(path)
+    assert accelerator.scaler is not None and accelerator.scaler.get_scale() == 256.0
+    with accelerator.autocast():
+        assert torch.get_autocast_dtype("cpu") == torch.float16
+
+
+def test_mapping_and_overrides() -> None:
+    accelerator = kwplug.Accelerator.from_config(
+        {"mixed_precision": "fp16", "handlers": {"grad_scaler": {"init_scale": 4.0}}},
+        mixed_precision="bf16",
+    )
+    assert accelerator.mixed_precision == "bf16" and accelerator.scaler is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('mixed_precision = "bf16"\ncpu = = 1', r"kwplug.toml: malformed TOML: .*line 2"),
+        (
+            "[handlers.nope]\nx = 1",
+            r"\[handlers.nope\]: no handler plugin named 'nope'; known: "
+            r"autocast, ddp, grad_scaler",
+        ),
+        (
+            "[handlers.grad_scaler]\ninit_scal = 2.0",
+            r"\[handlers.grad_scaler\]: unknown key 'init_scal' for GradScalerKwargs; accepted: "
+            r"init_scale, growth_factor",
+        ),
+        (
+            '[handlers.grad_scaler]\ninit_scale = "big"',
+            r"\[handlers.grad_scaler\]: 'init_scale' must be a number",
+        ),
+        (
+            "[handlers.init_process_group]\ntimeout = -3",
+            r"\[handlers.init_process_group\]: 'timeout' must be positive",
+        ),
+        ("handlers = 3", r"'handlers' must be a table"),
+        ("[handlers]\ngrad_scaler = 3", r"\[handlers.grad_scaler\] must be a table"),
+        ("precision = 'bf16'", r"unknown key\(s\) precision; accepted: mixed_precision, cpu"),
+    ],
+)
+def test_errors_name_file_table_and_key(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "kwplug.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="missing.toml: cannot read configuration"):
+        kwplug.Accelerator.from_config(tmp_path / "missing.toml")
