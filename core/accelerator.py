@@ -6,15 +6,16 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from kwplug import discovery
+from kwplug import checkpoint, discovery
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
-from kwplug.data import prepare_dataloader
+from kwplug.data import PreparedDataLoader, prepare_dataloader
 from kwplug.environment import ProcessInfo, select_device
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import AutocastFactory
@@ -101,6 +102,8 @@ class Accelerator:
         )
         self._models: list[torch.nn.Module] = []
         self._scaled_optimizers: list[ScaledOptimizer] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._dataloaders: list[DataLoader[Any]] = []
         logger.debug(
             "Accelerator on %s, rank %d/%d, mixed_precision=%s, plugins: %s",
             self.device,
@@ -208,16 +211,20 @@ class Accelerator:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Return ``optimizer``, stepping through the gradient scaler when there is one."""
         if self.scaler is None or isinstance(optimizer, ScaledOptimizer):
+            self._optimizers.append(optimizer)
             return optimizer
         scaled = ScaledOptimizer(optimizer, self.scaler)
         self._scaled_optimizers.append(scaled)
+        self._optimizers.append(scaled)
         return scaled
 
     def prepare_data_loader(self, loader: DataLoader[Any], seed: int = 0) -> DataLoader[Any]:
         """Shard ``loader`` per rank (see :func:`kwplug.data.prepare_dataloader`)."""
-        return prepare_dataloader(
+        prepared = prepare_dataloader(
             loader, self.device, self.num_processes, self.process_index, seed=seed
         )
+        self._dataloaders.append(prepared)
+        return prepared
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -343,6 +350,108 @@ class Accelerator:
         with profiler as prof:
             yield prof
 
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def save_state(self, output_dir: str | os.PathLike[str]) -> Path:
+        """Save everything needed to resume training exactly, atomically.
+
+        Saves the prepared models (unwrapped ``state_dict``), optimizers, the gradient scaler,
+        and per rank the RNG states (Python, NumPy, torch CPU and device), the prepared data
+        loaders' positions (epoch and batches consumed) and the state of stateful DDP
+        communication hooks (PowerSGD's error feedback and step counter). Every rank must call
+        it; see :mod:`kwplug.checkpoint` for the layout and the crash-safety guarantees.
+
+        Args:
+            output_dir: the checkpoint directory; an existing checkpoint there is replaced
+                only once the new one is complete.
+
+        Returns:
+            The checkpoint directory.
+        """
+        directory = Path(output_dir).absolute()
+        if self.is_main_process:
+            checkpoint.prepare_staging(directory)
+        self.wait_for_everyone()
+        staging = checkpoint.staging_dir(directory)
+        if self.is_main_process:
+            for i, model in enumerate(self._models):
+                checkpoint.atomic_save(
+                    self.unwrap_model(model).state_dict(), staging / f"model_{i}.pt"
+                )
+            for i, optimizer in enumerate(self._optimizers):
+                checkpoint.atomic_save(optimizer.state_dict(), staging / f"optimizer_{i}.pt")
+            if self.scaler is not None:
+                checkpoint.atomic_save(self.scaler.state_dict(), staging / "scaler.pt")
+        per_rank = {
+            "world_size": self.num_processes,
+            "rng": checkpoint.rng_state(self.device),
+            "dataloaders": [_loader_state(dl) for dl in self._dataloaders],
+            "comm_hooks": [
+                [checkpoint.hook_state_dict(state) for _, state in _comm_hook_states(model)]
+                for model in self._models
+            ],
+        }
+        checkpoint.atomic_save(per_rank, staging / f"rank_{self.process_index}.pt")
+        self.wait_for_everyone()
+        if self.is_main_process:
+            checkpoint.commit(directory)
+        self.wait_for_everyone()
+        return directory
+
+    def load_state(self, input_dir: str | os.PathLike[str]) -> Path:
+        """Restore what :meth:`save_state` saved into the prepared objects, in place.
+
+        Prepare the same models, optimizers and data loaders, in the same order, before
+        calling it. Every rank must call it.
+
+        Returns:
+            The checkpoint directory read (``DIR.previous`` when a save was interrupted while
+            swapping checkpoints).
+
+        Raises:
+            FileNotFoundError: no complete checkpoint at ``input_dir``.
+            ValueError: the checkpoint was saved with a different number of processes or
+                different prepared objects.
+        """
+        directory = checkpoint.resolve_checkpoint(input_dir)
+        if directory is None:
+            raise FileNotFoundError(
+                f"no complete kwplug checkpoint at {os.fspath(input_dir)!r} (a directory "
+                f"with a {checkpoint.MARKER} marker)"
+            )
+        rank_file = directory / f"rank_{self.process_index}.pt"
+        if not rank_file.is_file():
+            raise ValueError(f"{directory} has no state for rank {self.process_index}")
+        per_rank = torch.load(rank_file, map_location="cpu", weights_only=False)
+        if per_rank["world_size"] != self.num_processes:
+            raise ValueError(
+                f"{directory} was saved by {per_rank['world_size']} processes, this run has "
+                f"{self.num_processes}"
+            )
+        for i, model in enumerate(self._models):
+            state = torch.load(directory / f"model_{i}.pt", map_location=self.device)
+            self.unwrap_model(model).load_state_dict(state)
+        for i, optimizer in enumerate(self._optimizers):
+            state = torch.load(directory / f"optimizer_{i}.pt", map_location=self.device)
+            optimizer.load_state_dict(state)
+        if self.scaler is not None and (directory / "scaler.pt").is_file():
+            self.scaler.load_state_dict(torch.load(directory / "scaler.pt"))
+        saved_loaders = per_rank["dataloaders"]
+        if len(saved_loaders) != len(self._dataloaders):
+            raise ValueError(
+                f"{directory} holds {len(saved_loaders)} data loader position(s), "
+                f"{len(self._dataloaders)} data loader(s) are prepared"
+            )
+        for loader, position in zip(self._dataloaders, saved_loaders, strict=True):
+            if position is not None and isinstance(loader, PreparedDataLoader):
+                loader.load_state_dict(position)
+        for model, saved in zip(self._models, per_rank["comm_hooks"], strict=False):
+            for (_, state), snapshot in zip(_comm_hook_states(model), saved, strict=False):
+                checkpoint.load_hook_state(state, snapshot)
+        checkpoint.set_rng_state(per_rank["rng"], self.device)
+        self.wait_for_everyone()
+        return directory
+
     def end_training(self) -> None:
         """Destroy the default process group (``torch.distributed.destroy_process_group``)."""
         if dist.is_available() and dist.is_initialized():
@@ -362,3 +471,13 @@ class Accelerator:
             f"Accelerator(device={self.device}, mixed_precision={self.mixed_precision!r}, "
             f"num_processes={self.num_processes}, process_index={self.process_index})"
         )
+
+
+def _loader_state(loader: DataLoader[Any]) -> dict[str, int] | None:
+    return loader.state_dict() if isinstance(loader, PreparedDataLoader) else None
+
+
+def _comm_hook_states(model: torch.nn.Module) -> list[tuple[Any, Any]]:
+    # DDP keeps (hook, state) pairs of register_comm_hook in `_comm_hooks`.
+    hooks: list[tuple[Any, Any]] = getattr(model, "_comm_hooks", None) or []
+    return list(hooks)

@@ -42,7 +42,8 @@ def main() -> None:
     if name != "default":
         accelerator.end_training()
         assert not dist.is_initialized()
-        print("RESULT " + json.dumps(result), flush=True)
+        sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+        sys.stdout.flush()
         return
     rank = accelerator.process_index
     result["rank"] = rank
@@ -62,7 +63,8 @@ def main() -> None:
     accelerator.print("printed-by-main")
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,133 @@
+"""save_state/load_state: exact resume in a new process, and crash safety."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kwplug
+from kwplug import checkpoint
+
+WORKER = Path(__file__).parent / "workers" / "resume.py"
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, str(WORKER), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(result.stdout + result.stderr)
+    return result
+
+
+@pytest.mark.parametrize("precision", ["no", "fp16"])
+def test_resume_in_a_new_process_is_bitwise_exact(tmp_path: Path, precision: str) -> None:
+    # 16 batches per epoch: save mid-epoch (step 21) and finish in the third epoch.
+    ckpt = tmp_path / "ckpt"
+    run(str(tmp_path / "full.pt"), "--steps", "40", "--mixed-precision", precision)
+    run(
+        str(tmp_path / "first.pt"),
+        "--steps",
+        "21",
+        "--save-at",
+        "21",
+        "--ckpt",
+        str(ckpt),
+        "--mixed-precision",
+        precision,
+    )
+    assert checkpoint.is_complete(ckpt)
+    run(
+        str(tmp_path / "resumed.pt"),
+        "--steps",
+        "40",
+        "--resume",
+        str(ckpt),
+        "--start-step",
+        "21",
+        "--mixed-precision",
+        precision,
+    )
+    full = torch.load(tmp_path / "full.pt")
+    resumed = torch.load(tmp_path / "resumed.pt")
+    assert torch.equal(full, resumed)
+    assert not torch.equal(full, torch.load(tmp_path / "first.pt"))
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run(str(tmp_path / "a.pt"), "--steps", "5", "--save-at", "5", "--ckpt", str(ckpt))
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    crashed = run(
+        str(tmp_path / "b.pt"),
+        "--steps",
+        "9",
+        "--save-at",
+        "9",
+        "--ckpt",
+        str(ckpt),
+        "--crash-in-save",
+        check=False,
+    )
+    assert crashed.returncode == 17
+    assert checkpoint.staging_dir(ckpt).exists()  # the half-written new checkpoint
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    assert checkpoint.resolve_checkpoint(ckpt) == ckpt
+    # Resuming from the surviving checkpoint still works, and a new save replaces it.
+    run(
+        str(tmp_path / "c.pt"),
+        "--steps",
+        "8",
+        "--resume",
+        str(ckpt),
+        "--start-step",
+        "5",
+        "--save-at",
+        "8",
+        "--ckpt",
+        str(ckpt),
+    )
+    assert not checkpoint.staging_dir(ckpt).exists()
+    assert checkpoint.is_complete(ckpt)
+
+
+def test_interrupted_swap_falls_back_to_previous(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run(str(tmp_path / "a.pt"), "--steps", "3", "--save-at", "3", "--ckpt", str(ckpt))
+    ckpt.rename(tmp_path / ("ckpt" + checkpoint.PREVIOUS_SUFFIX))  # crash between renames
+    assert checkpoint.resolve_checkpoint(ckpt) == tmp_path / "ckpt.previous"
+    run(str(tmp_path / "b.pt"), "--steps", "4", "--resume", str(ckpt), "--start-step", "3")
+
+
+def test_load_errors(tmp_path: Path) -> None:
+    accelerator = kwplug.Accelerator(cpu=True)
+    with pytest.raises(FileNotFoundError, match="no complete kwplug checkpoint"):
+        accelerator.load_state(tmp_path / "nothing")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "model_0.pt").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="COMPLETE"):
+        accelerator.load_state(tmp_path / "half")
+
+
+def test_data_loader_position_round_trip() -> None:
+    accelerator = kwplug.Accelerator(cpu=True)
+    data = torch.utils.data.TensorDataset(torch.arange(20))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=3, shuffle=True))
+    first_epoch = [b[0].tolist() for b in loader]
+    it = iter(loader)
+    seen = [next(it)[0].tolist() for _ in range(4)]
+    state = loader.state_dict()
+    assert state == {"epoch": 1, "batches_yielded": 4}
+    rest = [b[0].tolist() for b in it]
+    other = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=3, shuffle=True))
+    other.load_state_dict(state)
+    assert [b[0].tolist() for b in other] == rest
+    assert seen + rest != first_epoch  # a new shuffle each epoch
