@@ -125,7 +125,7 @@ def test_data_loader_position_round_trip() -> None:
     it = iter(loader)
     seen = [next(it)[0].tolist() for _ in range(4)]
     state = loader.state_dict()
-    assert state == {"epoch": 1, "batches_yielded": 4}
+    assert (state["epoch"], state["batches_yielded"]) == (1, 4)
     rest = [b[0].tolist() for b in it]
     other = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=3, shuffle=True))
     other.load_state_dict(state)

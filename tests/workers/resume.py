@@ -65,10 +65,11 @@ def main() -> None:
             step += 1
             if step == args.save_at:
                 if args.crash_in_save:
-                    real_save = checkpoint.atomic_save
 
-                    def crashing_save(obj: object, path: os.PathLike[str]) -> None:
-                        real_save(obj, path)
+                    def crashing_save(
+                        obj: object, path: os.PathLike[str], real=checkpoint.atomic_save
+                    ) -> None:
+                        real(obj, path)
                         os._exit(17)  # die in the middle of the save, after one file
 
                     checkpoint.atomic_save = crashing_save  # type: ignore[assignment]
