@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from kwplug import checkpoint, discovery
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
 from kwplug.data import PreparedDataLoader, prepare_dataloader
+from kwplug.dispatch import Answer, PluginHookError, call_first
 from kwplug.environment import ProcessInfo, select_device
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import AutocastFactory
@@ -67,16 +68,18 @@ class Accelerator:
             raise TypeError(f"cpu must be a bool, got {type(cpu).__name__}")
         self.mixed_precision: str = mixed_precision
         self.handlers = check_handlers(kwargs_handlers)
-        self.plugin_manager, self._plugin_descriptions = build_plugin_manager(
+        self.plugin_manager, self._plugin_descriptions, self._third_party = build_plugin_manager(
             self.handlers, discovery.discover()
         )
-        hook = self.plugin_manager.hook
+        #: Which plugin answered each setup hook (``Answer`` records), for debugging.
+        self.plan: dict[str, Answer] = {}
 
         info = ProcessInfo.current()
         self.device = select_device(cpu, info.local_rank)
         self.device_type: str = self.device.type
         if info.world_size > 1 and not dist.is_initialized():
-            done = hook.init_process_group(
+            done = self._call_first(
+                "init_process_group",
                 device_type=self.device_type,
                 world_size=info.world_size,
                 rank=info.rank,
@@ -94,11 +97,13 @@ class Accelerator:
 
         self.comm_hooks: dict[str, CommHook] = self._collect_comm_hooks()
         self._autocast_factory: AutocastFactory = (
-            hook.autocast(device_type=self.device_type, mixed_precision=mixed_precision)
+            self._call_first(
+                "autocast", device_type=self.device_type, mixed_precision=mixed_precision
+            )
             or contextlib.nullcontext
         )
-        self.scaler: torch.amp.GradScaler | None = hook.make_scaler(
-            device_type=self.device_type, mixed_precision=mixed_precision
+        self.scaler: torch.amp.GradScaler | None = self._call_first(
+            "make_scaler", device_type=self.device_type, mixed_precision=mixed_precision
         )
         self._models: list[torch.nn.Module] = []
         self._scaled_optimizers: list[ScaledOptimizer] = []
@@ -156,8 +161,14 @@ class Accelerator:
         # Called impl by impl (the spec takes no arguments) so a duplicate name can be
         # blamed on the plugin that gave it.
         for impl in reversed(pm.hook.comm_hooks.get_hookimpls()):
-            label = self._plugin_descriptions.get(impl.plugin_name, impl.plugin_name)
-            contributions.append((label, impl.function()))
+            label = self._describe(impl.plugin_name)
+            try:
+                answer = impl.function()
+            except Exception as exc:
+                raise PluginHookError(
+                    f"hook 'comm_hooks' of {label} raised {type(exc).__name__}: {exc}"
+                ) from exc
+            contributions.append((label, answer))
         return merge_comm_hooks(contributions)
 
     def prepare(self, *objs: Any) -> Any:
@@ -192,7 +203,8 @@ class Accelerator:
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move ``model`` to :attr:`device` and wrap it through the ``wrap_model`` hook."""
         model = model.to(self.device)
-        wrapped = self.plugin_manager.hook.wrap_model(
+        wrapped = self._call_first(
+            "wrap_model",
             model=model,
             device=self.device,
             device_type=self.device_type,
@@ -201,8 +213,10 @@ class Accelerator:
             comm_hooks=self.comm_hooks,
         )
         if wrapped is not None and not isinstance(wrapped, torch.nn.Module):
+            plugin = self.plan["wrap_model"].plugin or "?"
             raise TypeError(
-                f"a wrap_model hook returned {type(wrapped).__name__}, not a torch.nn.Module"
+                f"hook 'wrap_model' of {self._describe(plugin)} returned "
+                f"{type(wrapped).__name__}, not a torch.nn.Module"
             )
         result = wrapped if wrapped is not None else model
         self._models.append(result)
@@ -459,12 +473,30 @@ class Accelerator:
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _describe(self, name: str) -> str:
+        return self._plugin_descriptions.get(name, name)
+
+    def _call_first(self, hook_name: str, *, extra: Sequence[Any] = (), **kwargs: Any) -> Any:
+        answer = call_first(
+            self.plugin_manager,
+            hook_name,
+            kwargs,
+            extra=extra,
+            describe=self._describe,
+            third_party=self._third_party.__contains__,
+        )
+        self.plan[hook_name] = answer
+        logger.debug(
+            "hook %s answered by %s", hook_name, self._describe(answer.plugin or "no plugin")
+        )
+        return answer.result
+
     def _call_with(self, hook_name: str, handler: KwargsHandler | None, **kwargs: Any) -> Any:
-        caller = getattr(self.plugin_manager.hook, hook_name)
         if handler is None:
-            return caller(**kwargs)
+            return self._call_first(hook_name, **kwargs)
         check_handlers([handler])
-        return caller.call_extra(extra_impls(self.plugin_manager, handler, hook_name), kwargs)
+        extra = extra_impls(self.plugin_manager, handler, hook_name)
+        return self._call_first(hook_name, extra=extra, **kwargs)
 
     def __repr__(self) -> str:
         return (

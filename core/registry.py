@@ -65,7 +65,7 @@ def default_plugin_name(record: PluginRecord) -> str:
 
 def build_plugin_manager(
     handlers: Sequence[KwargsHandler], records: Sequence[PluginRecord]
-) -> tuple[pluggy.PluginManager, dict[str, str]]:
+) -> tuple[pluggy.PluginManager, dict[str, str], frozenset[str]]:
     """Register user handlers and default plugins in precedence order.
 
     pluggy calls the most recently registered implementation first, so plugins are registered
@@ -76,7 +76,8 @@ def build_plugin_manager(
     under explicit names, so equal (by value) handlers in two Accelerators never collide.
 
     Returns:
-        The manager and a mapping of registered name to a human description for messages.
+        The manager, a mapping of registered name to a human description for messages, and
+        the registered names of third-party default plugins.
 
     Raises:
         TypeError: a user handler's hookimpls fail pluggy's validation (names the class).
@@ -84,6 +85,7 @@ def build_plugin_manager(
     pm = new_plugin_manager()
     descriptions: dict[str, str] = {}
     defaults: list[tuple[str, Any]] = []
+    third_party: set[str] = set()
     for record in loaded(records):
         cls = record.handler_class
         if cls is not None and (
@@ -92,6 +94,8 @@ def build_plugin_manager(
             continue
         name = default_plugin_name(record)
         descriptions[name] = f"default plugin {record.describe()}"
+        if not record.builtin:
+            third_party.add(name)
         defaults.append((name, plugin_object(record)))
     for name, obj in reversed(defaults):
         pm.register(obj, name=name)
@@ -106,7 +110,7 @@ def build_plugin_manager(
                 f"kwargs_handlers[{index}] ({type(handler).__qualname__}) has an invalid "
                 f"hook implementation: {exc}"
             ) from exc
-    return pm, descriptions
+    return pm, descriptions, frozenset(third_party)
 
 
 def extra_impls(pm: pluggy.PluginManager, plugin: object, hook_name: str) -> list[Any]:

@@ -244,3 +244,27 @@ def test_nullcontext_factory_when_no_plugin_answers() -> None:
     accelerator.plugin_manager.unregister(name="kwplug:autocast")
     ctx = accelerator.autocast(DecliningAutocast())
     assert isinstance(ctx, contextlib.nullcontext)
+
+
+def test_plan_records_who_answered_each_hook() -> None:
+    handler = RecordingAutocast()
+    accelerator = kwplug.Accelerator(mixed_precision="fp16", cpu=True, kwargs_handlers=[handler])
+    autocast = accelerator.plan["autocast"]
+    assert autocast.plugin == "user[0]:test_accelerator_core.RecordingAutocast"
+    assert accelerator.plan["make_scaler"].plugin == "kwplug:grad_scaler"
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    wrap = accelerator.plan["wrap_model"]
+    assert wrap.plugin is None and "kwplug:ddp" in wrap.asked  # DDP declines in 1 process
+
+
+def test_hook_error_from_a_handler_names_it() -> None:
+    @attrs.define
+    class Exploding(KwargsHandler):
+        @hookimpl
+        def make_scaler(self) -> None:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom") as info:
+        kwplug.Accelerator(mixed_precision="fp16", kwargs_handlers=[Exploding()])
+    notes = getattr(info.value, "__notes__", [])
+    assert any("make_scaler" in n and "Exploding" in n for n in notes)
