@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -30,6 +31,8 @@ from kwplug.hookspecs import PROJECT_NAME, HandlerSpec
 from kwplug.loading import LoadControls, PluginLoadError, PluginLoadWarning
 
 GROUP = "kwplug.handlers"
+#: A plugin slower than this to import (seconds) is reported with a PluginLoadWarning.
+SLOW_IMPORT_SECONDS = 1.0
 _OWN_DISTRIBUTION = "kwplug"
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,7 @@ class PluginRecord:
         status: ``"loaded"``, ``"failed"``, ``"blocked"`` (``KWPLUG_BLOCK_PLUGINS``) or
             ``"disabled"`` (``KWPLUG_DISABLE_PLUGIN_AUTOLOAD``, ``KWPLUG_PLUGINS``).
         hooks: names of the hooks the plugin implements (empty when not loaded).
+        load_seconds: wall time spent importing and validating it, in seconds.
     """
 
     name: str
@@ -59,6 +63,7 @@ class PluginRecord:
     error: str | None = None
     status: str = "loaded"
     hooks: tuple[str, ...] = ()
+    load_seconds: float = 0.0
 
     @property
     def source(self) -> str:
@@ -111,6 +116,7 @@ def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
         distribution=dist.name if dist is not None else "<unknown>",
         version=dist.version if dist is not None else "<unknown>",
     )
+    start = time.perf_counter()
     try:
         obj = ep.load()
         if isinstance(obj, type) and not issubclass(obj, KwargsHandler):
@@ -129,8 +135,10 @@ def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
         hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
     except Exception as exc:  # any failure of third-party code must not take kwplug down
         reason = f"{type(exc).__name__}: {exc}".strip()
-        return attrs.evolve(record, error=reason, status="failed")
-    return attrs.evolve(record, obj=obj, hooks=hooks)
+        return attrs.evolve(
+            record, error=reason, status="failed", load_seconds=time.perf_counter() - start
+        )
+    return attrs.evolve(record, obj=obj, hooks=hooks, load_seconds=time.perf_counter() - start)
 
 
 @functools.cache
@@ -154,6 +162,13 @@ def _load_cached(ep: importlib_metadata.EntryPoint) -> PluginRecord:
         message = (
             f"kwplug: handler plugin {record.describe()} failed to load and is skipped: "
             f"{record.error}"
+        )
+        warnings.warn(message, PluginLoadWarning, stacklevel=4)
+        logger.warning(message)
+    elif record.load_seconds > SLOW_IMPORT_SECONDS:
+        message = (
+            f"kwplug: handler plugin {record.describe()} took {record.load_seconds:.1f} s to "
+            "import; every process pays this at start-up"
         )
         warnings.warn(message, PluginLoadWarning, stacklevel=4)
         logger.warning(message)
