@@ -68,10 +68,7 @@ FAULTY = {
         """),
         ":Slow",
     ),
-    "notattrs": (
-        HEADER + "class NotAttrs(kwplug.KwargsHandler.__mro__[0]):\n    pass\n",
-        ":NotAttrs",
-    ),
+    "nothandler": (HEADER + "class NotAHandler:\n    pass\n", ":NotAHandler"),
 }
 
 PYPROJECT = """
