@@ -20,7 +20,12 @@ _OTHER_TIMEOUT = timedelta(seconds=1800)
 def _to_timedelta(value: Any) -> Any:
     # Accept plain seconds as a convenience; anything else is left for the validator.
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return timedelta(seconds=value)
+        try:
+            return timedelta(seconds=value)
+        except (OverflowError, ValueError):  # NaN, infinite or beyond timedelta's range
+            raise ValueError(
+                f"'timeout' must be a finite number of seconds up to {timedelta.max}, got {value!r}"
+            ) from None
     return value
 
 

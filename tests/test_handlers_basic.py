@@ -98,6 +98,8 @@ def test_to_kwargs_does_not_touch_environ(monkeypatch: pytest.MonkeyPatch) -> No
         (InitProcessGroupKwargs, "timeout", "10s", TypeError),
         (InitProcessGroupKwargs, "timeout", -5, ValueError),
         (InitProcessGroupKwargs, "timeout", timedelta(0), ValueError),
+        (InitProcessGroupKwargs, "timeout", float("nan"), ValueError),
+        (InitProcessGroupKwargs, "timeout", 1e20, ValueError),
     ],
 )
 def test_bad_values_name_the_field(cls: type, field: str, value: Any, error: type) -> None:
