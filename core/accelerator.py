@@ -21,7 +21,7 @@ from kwplug.environment import ProcessInfo, select_device
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import AutocastFactory
 from kwplug.optimizer import ScaledOptimizer
-from kwplug.registry import build_plugin_manager, check_handlers, extra_impls
+from kwplug.registry import build_plugin_manager, check_handler, check_handlers, extra_impls
 
 logger = logging.getLogger(__name__)
 
@@ -165,9 +165,12 @@ class Accelerator:
             try:
                 answer = impl.function()
             except Exception as exc:
-                raise PluginHookError(
-                    f"hook 'comm_hooks' of {label} raised {type(exc).__name__}: {exc}"
-                ) from exc
+                where = f"hook 'comm_hooks' of {label}"
+                if impl.plugin_name in self._third_party:
+                    raise PluginHookError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"(raised by {where})")
+                raise
             contributions.append((label, answer))
         return merge_comm_hooks(contributions)
 
@@ -348,8 +351,9 @@ class Accelerator:
     def profile(self, profile_handler: KwargsHandler | None = None) -> Iterator[Any]:
         """Profile the enclosed code; yields the started ``torch.profiler.profile``.
 
-        The profiler comes from the ``make_profiler`` hook (``ProfileKwargs.build()`` by
-        default); ``profile_handler`` answers first for this call. Call ``prof.step()`` at
+        The profiler comes from the ``make_profiler`` hook, called at each entry
+        (``ProfileKwargs.build()`` by default); ``profile_handler`` answers first for this
+        call. Call ``prof.step()`` at
         each step when a schedule is set.
 
         Raises:
@@ -476,7 +480,9 @@ class Accelerator:
     def _describe(self, name: str) -> str:
         return self._plugin_descriptions.get(name, name)
 
-    def _call_first(self, hook_name: str, *, extra: Sequence[Any] = (), **kwargs: Any) -> Any:
+    def _call_first(
+        self, hook_name: str, *, extra: Sequence[Any] = (), record: bool = True, **kwargs: Any
+    ) -> Any:
         answer = call_first(
             self.plugin_manager,
             hook_name,
@@ -485,7 +491,8 @@ class Accelerator:
             describe=self._describe,
             third_party=self._third_party.__contains__,
         )
-        self.plan[hook_name] = answer
+        if record:  # per-call handlers do not replace the set-up answers
+            self.plan[hook_name] = answer
         logger.debug(
             "hook %s answered by %s", hook_name, self._describe(answer.plugin or "no plugin")
         )
@@ -494,9 +501,9 @@ class Accelerator:
     def _call_with(self, hook_name: str, handler: KwargsHandler | None, **kwargs: Any) -> Any:
         if handler is None:
             return self._call_first(hook_name, **kwargs)
-        check_handlers([handler])
+        check_handler(handler, f"the {hook_name} handler")
         extra = extra_impls(self.plugin_manager, handler, hook_name)
-        return self._call_first(hook_name, extra=extra, **kwargs)
+        return self._call_first(hook_name, extra=extra, record=False, **kwargs)
 
     def __repr__(self) -> str:
         return (

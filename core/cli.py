@@ -82,7 +82,7 @@ def environment() -> dict[str, Any]:
         "attrs": attrs.__version__,
         "importlib_metadata": version("importlib-metadata"),
         "accelerator": current.type if current is not None else None,
-        "device_count": accelerator.device_count() if current is not None else 0,
+        "device_count": accelerator.device_count() if accelerator and current else 0,
         "cuda_available": torch.cuda.is_available(),
         "distributed_available": dist.is_available(),
         "distributed_backends": backends,

@@ -12,7 +12,8 @@ The format, keyed by the entry-point names ``kwplug plugins`` shows::
     [handlers.init_process_group]
     timeout = 120                 # seconds
 
-Third-party handlers are configured the same way, by their entry-point name.
+Third-party handlers are configured the same way, by their entry-point name (or
+``"distribution:name"`` when two distributions use the same name).
 """
 
 from __future__ import annotations
@@ -92,12 +93,18 @@ def build_handler(name: str, options: Any, where: str = "<mapping>") -> KwargsHa
         ConfigError: see :func:`load_config`.
     """
     place = f"{where}: [handlers.{name}]"
-    classes = {r.name: r.handler_class for r in discover() if r.loaded and r.handler_class}
-    cls = classes.get(name)
-    if cls is None:
+    records = [r for r in discover() if r.loaded and r.handler_class is not None]
+    matches = [r for r in records if name in (r.name, f"{r.distribution}:{r.name}")]
+    if len(matches) > 1:
         raise ConfigError(
-            f"{place}: no handler plugin named {name!r}; known: {', '.join(sorted(classes))}"
+            f"{place}: {name!r} names several handlers; use 'distribution:name', one of "
+            + ", ".join(f"{r.distribution}:{r.name}" for r in matches)
         )
+    if not matches:
+        known = ", ".join(sorted(r.name for r in records))
+        raise ConfigError(f"{place}: no handler plugin named {name!r}; known: {known}")
+    cls = matches[0].handler_class
+    assert cls is not None
     if not isinstance(options, Mapping):
         raise ConfigError(f"{place} must be a table of options, got {options!r}")
     accepted = [f.name for f in attrs.fields(cls) if f.init]

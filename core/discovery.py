@@ -124,17 +124,17 @@ def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
                 f"{ep.value} is a class but not a kwplug.KwargsHandler subclass; an entry point "
                 "must name a KwargsHandler subclass or a plugin object (e.g. a module)"
             )
-        if isinstance(obj, type) and not attrs.has(obj):
+        if isinstance(obj, type) and issubclass(obj, KwargsHandler) and not obj.is_attrs_class():
             raise TypeError(f"{ep.value} is not an attrs class (decorate it with @attrs.define)")
         # Validate hookimpls against the specs now, so a broken plugin is reported once here
         # instead of failing every Accelerator later.
         pm = new_plugin_manager()
         plugin = plugin_object(attrs.evolve(record, obj=obj))
-        pm.register(plugin)
+        pm.register(plugin, name=ep.name)
         pm.check_pending()
         hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
     except Exception as exc:  # any failure of third-party code must not take kwplug down
-        reason = f"{type(exc).__name__}: {exc}".strip()
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, for tables
         return attrs.evolve(
             record, error=reason, status="failed", load_seconds=time.perf_counter() - start
         )
@@ -164,14 +164,14 @@ def _load_cached(ep: importlib_metadata.EntryPoint) -> PluginRecord:
             f"{record.error}"
         )
         warnings.warn(message, PluginLoadWarning, stacklevel=4)
-        logger.warning(message)
+        logger.debug(message)
     elif record.load_seconds > SLOW_IMPORT_SECONDS:
         message = (
             f"kwplug: handler plugin {record.describe()} took {record.load_seconds:.1f} s to "
             "import; every process pays this at start-up"
         )
         warnings.warn(message, PluginLoadWarning, stacklevel=4)
-        logger.warning(message)
+        logger.debug(message)
     return record
 
 

@@ -32,16 +32,23 @@ class KwargsHandler:
 
     register_default: ClassVar[bool] = True
 
+    @classmethod
+    def is_attrs_class(cls) -> bool:
+        """True when ``cls`` itself is decorated with ``@attrs.define`` (not just inheriting
+        from one): an undecorated subclass would silently lose its fields."""
+        return attrs.has(cls) and "__attrs_attrs__" in vars(cls)
+
     def to_dict(self) -> dict[str, Any]:
         """Return every field by name (shallow: values are not copied or converted)."""
-        return attrs.asdict(self, recurse=False)
+        return {f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if f.init}
 
     def to_kwargs(self) -> dict[str, Any]:
         """Return the fields whose value differs from a default-constructed instance.
 
-        Fields marked with ``metadata={kwplug.handler.TO_KWARGS: False}`` are left out. Resolved
-        defaults count as defaults: ``InitProcessGroupKwargs().to_kwargs() == {}``. Reads no
-        environment variables.
+        Fields marked with ``metadata={kwplug.handler.TO_KWARGS: False}`` and fields that are
+        not constructor arguments (``init=False``) are left out. The comparison is with the
+        resolved values of ``cls()``, so ``InitProcessGroupKwargs().to_kwargs() == {}`` although
+        its timeout is resolved to 600 s. Reads no environment variables.
 
         Returns:
             ``dict`` of field name to value, in field definition order.
@@ -50,7 +57,8 @@ class KwargsHandler:
         return {
             f.name: value
             for f in attrs.fields(type(self))
-            if f.metadata.get(TO_KWARGS, True)
+            if f.init
+            and f.metadata.get(TO_KWARGS, True)
             and (value := getattr(self, f.name)) != defaults[f.name]
         }
 

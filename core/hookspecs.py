@@ -11,8 +11,9 @@ defaults. For ``firstresult`` hooks the first answer that is not ``None`` wins, 
 ``"cuda"``, ``"xpu"``, ...) so that a backend plugin answers for its device and declines for the
 others.
 
-The core calls these hooks only at construction, ``prepare()`` and when a per-call handler is
-given (``autocast(handler)``, ``profile(handler)``) -- never per training step.
+The core calls these hooks only at construction, in ``prepare()``, in ``autocast(handler)``
+when a per-call handler is given, and at each entry of ``profile()`` -- never per training
+step.
 """
 
 from __future__ import annotations

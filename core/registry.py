@@ -5,19 +5,44 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import pluggy
 
 from kwplug.discovery import PluginRecord, loaded, new_plugin_manager, plugin_object
 from kwplug.handler import KwargsHandler
 
 
-def check_handlers(kwargs_handlers: Sequence[Any] | None) -> list[KwargsHandler]:
-    """Validate the user's ``kwargs_handlers`` list.
+def check_handler(handler: Any, what: str) -> KwargsHandler:
+    """Check that ``handler`` is a handler instance; ``what`` names it in the error.
 
     Raises:
-        TypeError: ``kwargs_handlers`` is not a list/tuple, or an item is not a
-            :class:`~kwplug.KwargsHandler` instance (an attrs class).
+        TypeError: a class instead of an instance, not a :class:`~kwplug.KwargsHandler`, or
+            a subclass not decorated with ``@attrs.define``.
+    """
+    if isinstance(handler, type):
+        raise TypeError(
+            f"{what} is the class {handler.__qualname__}; pass an instance, "
+            f"e.g. {handler.__qualname__}()"
+        )
+    if not isinstance(handler, KwargsHandler):
+        raise TypeError(
+            f"{what} must be a kwplug.KwargsHandler instance (an attrs class such as "
+            "AutocastKwargs, DistributedDataParallelKwargs, GradScalerKwargs, "
+            f"InitProcessGroupKwargs, ProfileKwargs), got {type(handler).__qualname__}"
+        )
+    if not type(handler).is_attrs_class():
+        raise TypeError(
+            f"{what} is a {type(handler).__qualname__}, which subclasses KwargsHandler but is "
+            "not decorated with @attrs.define"
+        )
+    return handler
+
+
+def check_handlers(kwargs_handlers: Sequence[Any] | None) -> list[KwargsHandler]:
+    """Validate the user's ``kwargs_handlers`` sequence (a list or tuple).
+
+    Raises:
+        TypeError: ``kwargs_handlers`` is not a sequence (or is a string), or an item is not a
+            handler instance (see :func:`check_handler`).
         ValueError: two handlers of the same class.
     """
     if kwargs_handlers is None:
@@ -30,17 +55,7 @@ def check_handlers(kwargs_handlers: Sequence[Any] | None) -> list[KwargsHandler]
     handlers: list[KwargsHandler] = []
     seen: dict[type, int] = {}
     for index, handler in enumerate(kwargs_handlers):
-        if isinstance(handler, type):
-            raise TypeError(
-                f"kwargs_handlers[{index}] is the class {handler.__qualname__}; pass an instance, "
-                f"e.g. {handler.__qualname__}()"
-            )
-        if not isinstance(handler, KwargsHandler) or not attrs.has(type(handler)):
-            raise TypeError(
-                f"kwargs_handlers[{index}] must be a kwplug.KwargsHandler instance (an attrs "
-                "class such as AutocastKwargs, DistributedDataParallelKwargs, GradScalerKwargs, "
-                f"InitProcessGroupKwargs, ProfileKwargs), got {type(handler).__qualname__}"
-            )
+        check_handler(handler, f"kwargs_handlers[{index}]")
         cls = type(handler)
         if cls in seen:
             raise ValueError(
@@ -105,6 +120,7 @@ def build_plugin_manager(
         descriptions[name] = f"kwargs_handlers[{index}] ({type(handler).__qualname__})"
         try:
             pm.register(handler, name=name)
+            pm.check_pending()  # a misspelt hook name would otherwise be ignored silently
         except pluggy.PluginValidationError as exc:
             raise TypeError(
                 f"kwargs_handlers[{index}] ({type(handler).__qualname__}) has an invalid "

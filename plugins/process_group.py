@@ -29,8 +29,17 @@ def _to_timedelta(value: Any) -> Any:
     return value
 
 
+def _lower(value: Any) -> Any:
+    # Backend names are case-insensitive in torch ("NCCL" == "nccl"); store them lower-case.
+    return value.strip().lower() if isinstance(value, str) else value
+
+
 def _check_backend(instance: Any, attribute: attrs.Attribute[str], value: Any) -> None:
-    if not isinstance(value, str) or not value:
+    if isinstance(value, str) and not value:
+        raise ValueError(
+            f"'{attribute.name}' must not be empty: give a backend name such as 'nccl', 'gloo'"
+        )
+    if not isinstance(value, str):
         raise TypeError(
             f"'{attribute.name}' must be a backend name (str) such as 'nccl', 'gloo', 'mpi', "
             f"'xccl', got {value!r}"
@@ -75,21 +84,33 @@ class InitProcessGroupKwargs(KwargsHandler):
     the backend.
 
     Args:
-        backend: ``str``, default ``"nccl"``. The default means "nccl on CUDA, the device's own
+        backend: ``str`` (case-insensitive, stored lower-case), default ``"nccl"``. The default
+            means "nccl on CUDA, the device's own
             default otherwise" (gloo on CPU, from ``torch.distributed.Backend.
             default_device_backend_map``); any other backend (``"gloo"``, ``"mpi"``, ...) is
             used as given.
         init_method: ``str`` URL or ``None`` (default: ``"env://"``, torchrun's variables).
         timeout: ``datetime.timedelta``, seconds (``int``/``float``) or ``None``: how long
             collectives and the rendezvous may wait before failing. ``None`` resolves at
-            construction from ``backend``: 600 s for nccl, 1800 s otherwise.
+            construction from ``backend``: 600 s for nccl, 1800 s otherwise (and follows later
+            assignments to ``backend``). With the default ``"nccl"`` on CPU the process group
+            runs gloo with the 600 s the field resolved to.
 
     Raises:
         TypeError: a field has the wrong type.
         ValueError: an unknown backend or a non-positive timeout.
     """
 
-    backend: str = attrs.field(default=DEFAULT_BACKEND, validator=_check_backend)
+    backend: str = attrs.field(
+        default=DEFAULT_BACKEND,
+        converter=_lower,
+        validator=_check_backend,
+        on_setattr=[
+            attrs.setters.convert,
+            attrs.setters.validate,
+            lambda i, a, v: i._backend_changed(v),
+        ],
+    )
     init_method: str | None = attrs.field(default=None, validator=_check_init_method)
     timeout: timedelta | None = attrs.field(
         default=None,
@@ -97,12 +118,22 @@ class InitProcessGroupKwargs(KwargsHandler):
         validator=_check_timeout,
         on_setattr=[attrs.setters.convert, attrs.setters.validate, lambda i, a, v: i._resolve(v)],
     )
+    # Whether the timeout was resolved from the backend (then it follows backend changes).
+    _timeout_resolved: bool = attrs.field(
+        init=False, default=False, repr=False, eq=False, on_setattr=attrs.setters.NO_OP
+    )
 
     def __attrs_post_init__(self) -> None:
-        self.timeout = self._resolve(self.timeout)
+        object.__setattr__(self, "timeout", self._resolve(self.timeout))
 
-    def _resolve(self, timeout: timedelta | None) -> timedelta:
-        return self.default_timeout(self.backend) if timeout is None else timeout
+    def _resolve(self, timeout: timedelta | None, backend: str | None = None) -> timedelta:
+        self._timeout_resolved = timeout is None
+        return self.default_timeout(backend or self.backend) if timeout is None else timeout
+
+    def _backend_changed(self, backend: str) -> str:
+        if self._timeout_resolved:  # keep "None means the backend's default" true
+            object.__setattr__(self, "timeout", self._resolve(None, backend))
+        return backend
 
     @staticmethod
     def default_timeout(backend: str) -> timedelta:
@@ -125,7 +156,7 @@ class InitProcessGroupKwargs(KwargsHandler):
         dist.init_process_group(
             backend=self.resolved_backend(device_type),
             init_method=self.init_method,
-            timeout=self._resolve(self.timeout),
+            timeout=self.timeout,
             world_size=world_size,
             rank=rank,
         )

@@ -26,7 +26,9 @@ def test_code_block_runs(
     page: str, index: int, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if "# doctest: skip" in code:
-        pytest.skip("block marked '# doctest: skip' (needs a GPU or a network)")
+        pytest.skip(
+            "block marked '# doctest: skip' (needs a GPU, a network or a package the page builds)"
+        )
     monkeypatch.chdir(tmp_path)
     script = tmp_path / "block.py"
     script.write_text(code)

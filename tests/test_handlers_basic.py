@@ -237,3 +237,18 @@ def test_single_process_with_gloo_handler_does_not_init() -> None:
     assert torch.equal(accelerator.gather(t), t)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+
+
+def test_resolved_timeout_follows_backend_until_set() -> None:
+    handler = InitProcessGroupKwargs()
+    handler.backend = "GLOO"
+    assert handler.backend == "gloo"
+    assert handler.timeout == timedelta(seconds=1800)
+    handler.timeout = 5
+    handler.backend = "nccl"
+    assert handler.timeout == timedelta(seconds=5)  # explicit values stay
+    handler.timeout = None
+    assert handler.timeout == timedelta(seconds=600)
+    assert InitProcessGroupKwargs(backend="NCCL").to_kwargs() == {}
+    with pytest.raises(ValueError, match="'backend' must not be empty"):
+        InitProcessGroupKwargs(backend="")
