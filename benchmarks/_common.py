@@ -1,0 +1,379 @@
+"""Shared machinery of the benchmarks: interleaved timing, paired statistics, table and JSON.
+
+Every benchmark compares up to three implementations of the same workload in one process run:
+``raw`` (hand-written PyTorch, the physical floor), ``kwplug`` and ``accelerate`` (Hugging Face
+Accelerate, only when it is installed -- the optional ``bench`` extra). Measurements are
+interleaved (A B C, then C B A, ...), so slow drifts of the machine hit every implementation
+alike, and reported as medians of per-repetition values and of *paired* ratios/differences
+against ``raw`` from the same repetition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Implementations, in table order.
+IMPLS: tuple[str, ...] = ("raw", "kwplug", "accelerate")
+
+Samples = dict[str, list[float]]
+
+
+def single_thread() -> None:
+    """One intra-op thread (and one OpenMP thread in children), as every figure assumes."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def accelerate_available() -> bool:
+    """True when Hugging Face Accelerate can be imported (without importing it)."""
+    return importlib.util.find_spec("accelerate") is not None
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment of a child process: one OpenMP thread, this repository importable."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.environ.get("PYTHONPATH", "")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": root + (os.pathsep + path if path else ""),
+        **extra,
+    }
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+# -- timing -----------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[int], object], n: int) -> float:
+    """Seconds per iteration of ``fn(n)`` (which runs ``n`` iterations).
+
+    Garbage is collected before, and the collector paused during, the block (as ``timeit``).
+    """
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        fn(n)
+        return (time.perf_counter() - start) / n
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def block(fn: Callable[[int], object], n: int) -> Callable[[], float]:
+    """A zero-argument block for :func:`interleave`: ``timed(fn, n)``."""
+    return functools.partial(timed, fn, n)
+
+
+def interleave(blocks: Mapping[str, Callable[[], float]], reps: int, warmup: int = 1) -> Samples:
+    """Run each block once per repetition, order alternating (A B C, C B A, ...).
+
+    Args:
+        blocks: implementation name -> a callable that measures one block and returns its
+            figure (e.g. seconds per step).
+        reps: measured repetitions.
+        warmup: unmeasured repetitions first (same alternation).
+
+    Returns:
+        implementation name -> the ``reps`` figures, in repetition order (so that index ``i``
+        of two implementations forms a pair).
+    """
+    names = list(blocks)
+    samples: Samples = {name: [] for name in names}
+    # Move everything alive now (torch, its lazily imported modules, ...) out of the garbage
+    # collector's sight, so that timed()'s collection before each block stays cheap.
+    gc.collect()
+    gc.freeze()
+    for rep in range(warmup + reps):
+        order = names if rep % 2 == 0 else names[::-1]
+        for name in order:
+            value = blocks[name]()
+            if rep >= warmup:
+                samples[name].append(value)
+    return samples
+
+
+def median(values: Sequence[float]) -> float:
+    """The median (``statistics.median``)."""
+    return float(statistics.median(values))
+
+
+# -- results ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One line of the three-way table.
+
+    ``raw``/``kwplug``/``accelerate`` are the displayed medians (``None``: not run, or not
+    applicable; a string: a short reason, e.g. an error). ``kwplug_vs_raw`` and
+    ``accelerate_vs_raw`` are medians of paired throughput ratios (1.0 = as fast as raw
+    PyTorch, higher is better); ``kwplug_extra``/``accelerate_extra`` are medians of paired
+    differences to raw in ``extra_unit`` (e.g. microseconds per step).
+    """
+
+    case: str
+    unit: str
+    raw: float | str | None = None
+    kwplug: float | str | None = None
+    accelerate: float | str | None = None
+    kwplug_vs_raw: float | None = None
+    accelerate_vs_raw: float | None = None
+    kwplug_extra: float | None = None
+    accelerate_extra: float | None = None
+    extra_unit: str = ""
+    note: str = ""
+
+    def value(self, impl: str) -> float | str | None:
+        """The displayed figure of ``impl``."""
+        return getattr(self, impl)  # type: ignore[no-any-return]
+
+
+def timing_row(
+    case: str,
+    samples: Samples,
+    *,
+    unit: str = "µs",
+    scale: float = 1e6,
+    rate: bool = False,
+    note: str = "",
+) -> Row:
+    """A row from per-repetition *seconds per operation*.
+
+    Args:
+        case: what was measured.
+        samples: implementation -> seconds per operation per repetition (paired by index).
+        unit: displayed unit; ``scale`` converts seconds to it (ignored with ``rate``).
+        scale: factor from seconds to ``unit`` (``1e6`` for µs, ``1e3`` for ms).
+        rate: display operations per second instead of time per operation (``unit`` names
+            the operation, e.g. ``"steps/s"``); the extra time is then in µs per operation.
+        note: free text.
+    """
+    row = Row(case=case, unit=unit, note=note)
+    extra_scale = 1e6 if rate else scale
+    row.extra_unit = "µs" if rate else unit
+    raw = samples.get("raw")
+    for impl, values in samples.items():
+        if not values:
+            continue
+        shown = 1.0 / median(values) if rate else median(values) * scale
+        setattr(row, impl, shown)
+        if raw and impl != "raw":
+            pairs = list(zip(raw, values, strict=True))
+            setattr(row, f"{impl}_vs_raw", median([r / v for r, v in pairs]))
+            setattr(row, f"{impl}_extra", median([(v - r) * extra_scale for r, v in pairs]))
+    return row
+
+
+@dataclass
+class Target:
+    """A goal of the issue, checked against a measured figure.
+
+    ``op`` is ``"<="`` or ``">="``; ``met`` is ``None`` when the figure could not be measured.
+    """
+
+    name: str
+    value: float | None
+    op: str
+    limit: float
+    unit: str = ""
+    met: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.value is not None and self.met is None:
+            self.met = self.value <= self.limit if self.op == "<=" else self.value >= self.limit
+
+
+@dataclass
+class Result:
+    """What one benchmark reports: rows of the table, targets, checks and metadata."""
+
+    benchmark: str
+    quick: bool
+    rows: list[Row] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    checks: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        return asdict(self)
+
+
+def meta() -> dict[str, Any]:
+    """Versions and machine, recorded with every result."""
+    import torch
+
+    versions: dict[str, str | None] = {}
+    for name in ("kwplug", "accelerate", "pluggy"):
+        try:
+            from importlib.metadata import version
+
+            versions[name] = version(name)
+        except Exception:
+            versions[name] = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        **versions,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "loadavg_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "machine": platform.machine(),
+    }
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+def _fmt(value: float | str | None, digits: int = 3) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, str):
+        return value
+    if value == 0:
+        return "0"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}g}"
+
+
+def _fmt_extra(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    text = f"{value:+,.0f}" if abs(value) >= 100 else f"{value:+.3g}"
+    return f"{text} {unit}".rstrip()
+
+
+def table_lines(rows: Sequence[Row], title: str = "") -> list[str]:
+    """The rows as a Markdown table (``vs raw`` = paired throughput ratio, ``+`` = extra)."""
+    header = [
+        "case",
+        "unit",
+        "raw",
+        "kwplug",
+        "accelerate",
+        "kwplug vs raw",
+        "accelerate vs raw",
+        "kwplug extra",
+        "accelerate extra",
+    ]
+    body = [
+        [
+            row.case,
+            row.unit,
+            _fmt(row.raw),
+            _fmt(row.kwplug),
+            _fmt(row.accelerate),
+            _fmt(row.kwplug_vs_raw, 4) + ("x" if row.kwplug_vs_raw is not None else ""),
+            _fmt(row.accelerate_vs_raw, 4) + ("x" if row.accelerate_vs_raw is not None else ""),
+            _fmt_extra(row.kwplug_extra, row.extra_unit),
+            _fmt_extra(row.accelerate_extra, row.extra_unit),
+        ]
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def fmt_line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    lines = [f"### {title}", ""] if title else []
+    lines.append(fmt_line(header))
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines.extend(fmt_line(line) for line in body)
+    notes = [f"- {row.case}: {row.note}" for row in rows if row.note]
+    if notes:
+        lines += ["", *notes]
+    return lines
+
+
+def target_lines(targets: Sequence[Target]) -> list[str]:
+    """The targets as a Markdown table with met/MISSED."""
+    lines = ["| target | measured | goal | |", "|---|---|---|---|"]
+    for t in targets:
+        status = "n/a" if t.met is None else ("met" if t.met else "MISSED")
+        lines.append(
+            f"| {t.name} | {_fmt(t.value, 4)} {t.unit} | {t.op} {_fmt(t.limit, 4)} {t.unit} "
+            f"| {status} |"
+        )
+    return lines
+
+
+def print_result(result: Result) -> None:
+    """Print a benchmark's table, targets and checks."""
+    title = f"{result.benchmark}" + (" (quick)" if result.quick else "")
+    print("\n".join(table_lines(result.rows, title)))
+    if result.targets:
+        print()
+        print("\n".join(target_lines(result.targets)))
+    if result.checks:
+        print()
+        print("checks: " + json.dumps(result.checks, default=str))
+    sys.stdout.flush()
+
+
+def write_json(data: Any, path: str | None) -> None:
+    """Write ``data`` as JSON to ``path``; to stdout when ``path`` is ``None`` or ``"-"``."""
+    text = json.dumps(data, indent=2, default=str)
+    if path is None or path == "-":
+        print(text)
+    else:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+
+
+def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``--quick`` and ``--json PATH`` (every benchmark's command line)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--quick", action="store_true", help="few, short repetitions (a smoke test, ~seconds)"
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="write the JSON result to PATH ('-' or omitted: print it after the table)",
+    )
+    parser.add_argument(
+        "--no-accelerate",
+        action="store_true",
+        help="skip Hugging Face Accelerate even when it is installed",
+    )
+    return parser.parse_args(argv)
+
+
+def run_main(
+    name: str,
+    description: str,
+    run: Callable[[bool, bool], Result],
+    argv: Sequence[str] | None = None,
+) -> Result:
+    """Command line of one benchmark: parse, run ``run(quick, with_accelerate)``, print, save."""
+    args = parse_args(description, argv)
+    single_thread()
+    with_accelerate = accelerate_available() and not args.no_accelerate
+    result = run(args.quick, with_accelerate)
+    result.meta = {**meta(), "accelerate_run": with_accelerate, **result.meta}
+    print_result(result)
+    write_json(result.to_json(), args.json)
+    return result

@@ -1,0 +1,110 @@
+"""Cost of one ``with accelerator.autocast(): pass`` against the raw context manager.
+
+- bf16: ``with torch.autocast("cpu", dtype=torch.bfloat16): pass`` (raw) vs
+  ``with accelerator.autocast(): pass`` of a ``mixed_precision="bf16"`` Accelerator.
+- off: ``with contextlib.nullcontext(): pass`` (raw: the cheapest no-op context) vs the same
+  with ``mixed_precision="no"``.
+
+Each figure is the time of a whole ``with`` statement (create, enter, exit), loop included
+(the bare loop's cost is recorded in ``info``; it is a few ns).
+
+Run: ``python -m benchmarks.autocast_enter [--quick] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from benchmarks._common import Result, Target, block, interleave, run_main, timed, timing_row
+
+DESCRIPTION = "Cost of one `with accelerator.autocast():` against torch.autocast / nullcontext."
+
+
+def raw_bf16(n: int) -> None:
+    """``n`` raw bf16 autocast regions."""
+    for _ in range(n):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pass
+
+
+def raw_off(n: int) -> None:
+    """``n`` no-op context regions."""
+    for _ in range(n):
+        with contextlib.nullcontext():
+            pass
+
+
+def via(accelerator: Any) -> Callable[[int], None]:
+    """``n`` regions of ``accelerator.autocast()``, written as users write them."""
+
+    def enter(n: int) -> None:
+        for _ in range(n):
+            with accelerator.autocast():
+                pass
+
+    return enter
+
+
+def empty(n: int) -> None:
+    """The bare loop."""
+    for _ in range(n):
+        pass
+
+
+def make_accelerator(impl: str, mixed: str) -> Any:
+    """A CPU Accelerator of ``impl`` (Accelerate's singletons reset first)."""
+    if impl == "kwplug":
+        import kwplug
+
+        return kwplug.Accelerator(mixed_precision=mixed, cpu=True)
+    import accelerate
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(mixed_precision=mixed, cpu=True)
+    torch.set_num_threads(1)
+    return accelerator
+
+
+def run(quick: bool, with_accelerate: bool) -> Result:
+    """Measure bf16 and off; see the module docstring."""
+    frameworks = ["kwplug"] + (["accelerate"] if with_accelerate else [])
+    reps = 3 if quick else 21
+    n = 2_000 if quick else 20_000
+    result = Result("autocast_enter", quick)
+    samples_by_case = {}
+    for case, mixed, raw in (("bf16", "bf16", raw_bf16), ("off", "no", raw_off)):
+        fns: dict[str, Callable[[int], None]] = {"raw": raw}
+        for impl in frameworks:
+            fns[impl] = via(make_accelerator(impl, mixed))
+        blocks = {impl: block(fn, n) for impl, fn in fns.items()}
+        samples = interleave(blocks, reps=reps, warmup=1)
+        samples_by_case[case] = samples
+        baseline = "torch.autocast" if case == "bf16" else "contextlib.nullcontext()"
+        result.rows.append(timing_row(f"autocast entry, {case}", samples, note=f"raw = {baseline}"))
+    result.info = {
+        "reps": reps,
+        "entries_per_block": n,
+        "bare_loop_us_per_iteration": timed(empty, n * 10) * 1e6,
+        "samples_s_per_entry": samples_by_case,
+    }
+    bf16, off = result.rows
+    result.targets = [
+        Target("accelerator.autocast() entry, bf16", bf16.kwplug, "<=", 3.2, "µs"),  # type: ignore[arg-type]
+        Target("accelerator.autocast() entry, off", off.kwplug, "<=", 0.4, "µs"),  # type: ignore[arg-type]
+    ]
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> Result:
+    """``python -m benchmarks.autocast_enter``."""
+    return run_main("autocast_enter", DESCRIPTION, run, argv)
+
+
+if __name__ == "__main__":
+    main()
