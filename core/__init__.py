@@ -27,8 +27,6 @@ if TYPE_CHECKING:
         ProfileKwargs,
     )
 
-__version__ = "0.1.0"
-
 __all__ = [
     "Accelerator",
     "AutocastKwargs",
@@ -62,6 +60,10 @@ _BUILTIN_REEXPORTS = frozenset(
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # from the installed metadata; read lazily, import stays cheap
+        import importlib_metadata
+
+        return importlib_metadata.version("kwplug")
     # Re-export only: the core itself never refers to a built-in handler class.
     if name in _BUILTIN_REEXPORTS:
         from kwplug import plugins
