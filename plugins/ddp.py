@@ -1,9 +1,278 @@
-"""PLACEHOLDER being written by a helper."""
-from enum import Enum
+"""``DistributedDataParallelKwargs``: answers ``wrap_model`` with
+``torch.nn.parallel.DistributedDataParallel`` and registers its communication hook."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
 import attrs
-from kwplug.handler import KwargsHandler
-class DDPCommunicationHookType(str, Enum):
+import torch
+
+from kwplug.comm_hooks import CommHook, HookFn
+from kwplug.handler import TO_KWARGS, KwargsHandler
+from kwplug.hookspecs import hookimpl
+from kwplug.plugins import ddp_comm_hooks
+from kwplug.validators import number, strict_bool
+
+
+class DDPCommunicationHookType(str, enum.Enum):
+    """Names of kwplug's built-in DDP communication hooks (and compression wrappers).
+
+    Members: ``NO = "no"`` (DDP's own all-reduce, no hook), ``FP16 = "fp16"`` and
+    ``BF16 = "bf16"`` (all-reduce in half precision), ``POWER_SGD = "power_sgd"`` (torch's
+    per-tensor PowerSGD) and ``BATCHED_POWER_SGD = "batched_power_sgd"`` (PowerSGD over the
+    whole bucket). Being a ``str`` enum, each member compares equal to its value.
+    """
+
     NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_HOOK_VALUES = tuple(member.value for member in DDPCommunicationHookType)
+_WRAPPERS = (
+    DDPCommunicationHookType.NO,
+    DDPCommunicationHookType.FP16,
+    DDPCommunicationHookType.BF16,
+)
+_WRAPPER_VALUES = tuple(member.value for member in _WRAPPERS)
+_POWER_SGD_HOOKS = (DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD)
+
+
+def _quoted(values: tuple[str, ...]) -> str:
+    return ", ".join(map(repr, values))
+
+
+def _to_hook_type(value: Any) -> Any:
+    # The enum's values become members; other strings are custom hook names, kept as given.
+    if isinstance(value, str) and not isinstance(value, DDPCommunicationHookType):
+        try:
+            return DDPCommunicationHookType(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _check_comm_hook(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, DDPCommunicationHookType):
+        return
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(
+                f"'{attribute.name}' must not be empty: give one of {_quoted(_HOOK_VALUES)} or "
+                "the name of a registered communication hook"
+            )
+        return
+    if callable(value) and not isinstance(value, type):
+        return
+    raise TypeError(
+        f"'{attribute.name}' must be a DDPCommunicationHookType, one of {_quoted(_HOOK_VALUES)}, "
+        "the name (str) of a hook registered with kwplug.register_comm_hook or contributed by "
+        "a plugin, or a callable hook(state, bucket) -> torch.futures.Future[torch.Tensor]; "
+        f"got {value!r} of type {type(value).__name__}"
+    )
+
+
+def _check_comm_wrapper(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    wanted = f"DDPCommunicationHookType.NO/FP16/BF16 or one of {_quoted(_WRAPPER_VALUES)}"
+    if not isinstance(value, str):
+        raise TypeError(
+            f"'{attribute.name}' must be {wanted}, got {value!r} of type {type(value).__name__}"
+        )
+    if value not in _WRAPPERS:
+        raise ValueError(f"'{attribute.name}' must be {wanted}, got {str(value)!r}")
+
+
+def _check_state_option(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, dict):
+        raise TypeError(
+            f"'{attribute.name}' must be a dict of option name (str) to value, got {value!r} of "
+            f"type {type(value).__name__}"
+        )
+    bad = [key for key in value if not isinstance(key, str)]
+    if bad:
+        raise TypeError(f"'{attribute.name}' keys must be str, got {bad!r}")
+
+
 @attrs.define
 class DistributedDataParallelKwargs(KwargsHandler):
-    pass
+    """Options of ``torch.nn.parallel.DistributedDataParallel`` and of its communication hook.
+
+    When the Accelerator runs in more than one process, ``prepare(model)`` returns
+    ``DistributedDataParallel(model, device_ids=[device.index] (None on CPU), **to_kwargs())``
+    with the hook below registered through ``DistributedDataParallel.register_comm_hook``. In
+    a single process the model is returned unwrapped. Only the constructor options that differ
+    from the defaults reach torch (``to_kwargs()``; the ``comm_*`` fields are never passed).
+
+    Args:
+        dim: ``int``, default ``0``; ``DistributedDataParallel(dim=...)``, the dimension along
+            which inputs are scattered (single-device modules ignore it).
+        broadcast_buffers: ``bool``, default ``True``; sync module buffers from rank 0 at
+            construction and before each forward. ``False`` is passed on as
+            ``broadcast_buffers=False``, which torch 2.13 still honours but deprecates with a
+            ``FutureWarning`` (in favour of ``forward_sync_buffers``).
+        bucket_cap_mb: ``int`` or ``float`` > 0, in megabytes (MiB), default ``25``; the size
+            of the gradient buckets all-reduced together (``bucket_cap_mb``). The default is
+            not passed, so torch also keeps its smaller first bucket.
+        find_unused_parameters: ``bool``, default ``False``; traverse the autograd graph each
+            step to mark parameters that got no gradient (needed when the forward skips some).
+        check_reduction: ``bool``, default ``False``; deprecated by torch (ignored there, with
+            a ``FutureWarning`` when ``True``).
+        gradient_as_bucket_view: ``bool``, default ``False``; make ``param.grad`` views into
+            the communication buckets (saves a copy and memory).
+        static_graph: ``bool``, default ``False``; promise that the set of used parameters and
+            the graph do not change between steps (``_set_static_graph``).
+        comm_hook: default ``DDPCommunicationHookType.NO`` (DDP's own all-reduce). One of:
+            a ``DDPCommunicationHookType`` or its value (``"fp16"``, ``"bf16"``,
+            ``"power_sgd"``, ``"batched_power_sgd"``; the string is converted to the member);
+            any other non-empty ``str``, the name of a hook registered with
+            :func:`kwplug.register_comm_hook` or contributed by a plugin's ``comm_hooks`` hook,
+            looked up when the model is wrapped; or a callable ``hook(state, bucket) ->
+            torch.futures.Future[torch.Tensor]``, registered with ``state=None`` (the default
+            process group).
+        comm_wrapper: ``DDPCommunicationHookType.NO`` (default), ``FP16`` or ``BF16`` (or
+            ``"no"``/``"fp16"``/``"bf16"``): run the hook on a float16/bfloat16 copy of each
+            bucket (:func:`kwplug.plugins.ddp_comm_hooks.fp16_compress_wrapper`). With
+            ``comm_hook="no"`` the wrapper wraps a plain mean all-reduce.
+        comm_state_option: ``dict`` with ``str`` keys, default ``{}``; options of the hook's
+            state, given to ``CommHook.make_state(process_group, options)``. For
+            ``"power_sgd"``/``"batched_power_sgd"`` they are keyword arguments of
+            ``PowerSGDState`` (e.g. ``{"matrix_approximation_rank": 2,
+            "start_powerSGD_iter": 100}``). Must be empty for hooks without state options
+            (``"no"``, ``"fp16"``, ``"bf16"``, a callable).
+
+    Raises:
+        TypeError: a field has the wrong type (``bool`` is not an ``int`` here, and ``0``/``1``
+            are not bools); the message names the field and what it accepts.
+        ValueError: ``bucket_cap_mb`` <= 0; an empty ``comm_hook`` name; a ``comm_wrapper``
+            other than no/fp16/bf16; at construction, ``comm_state_option`` keys that the
+            chosen built-in hook does not accept (PowerSGD: the message lists the accepted
+            keys), or options with ``"no"``/``"fp16"``/``"bf16"``/a callable hook.
+            Per-field checks also run on assignment; the cross-field checks run again when the
+            model is wrapped, where an unknown hook name also raises ``ValueError`` listing the
+            known names.
+    """
+
+    dim: int = attrs.field(default=0, validator=number(integer=True))
+    broadcast_buffers: bool = attrs.field(default=True, validator=strict_bool)
+    bucket_cap_mb: float = attrs.field(default=25, validator=number(gt=0))
+    find_unused_parameters: bool = attrs.field(default=False, validator=strict_bool)
+    check_reduction: bool = attrs.field(default=False, validator=strict_bool)
+    gradient_as_bucket_view: bool = attrs.field(default=False, validator=strict_bool)
+    static_graph: bool = attrs.field(default=False, validator=strict_bool)
+    comm_hook: DDPCommunicationHookType | str | HookFn = attrs.field(
+        default=DDPCommunicationHookType.NO,
+        converter=_to_hook_type,
+        validator=_check_comm_hook,
+        metadata={TO_KWARGS: False},
+    )
+    comm_wrapper: DDPCommunicationHookType = attrs.field(
+        default=DDPCommunicationHookType.NO,
+        converter=_to_hook_type,
+        validator=_check_comm_wrapper,
+        metadata={TO_KWARGS: False},
+    )
+    comm_state_option: dict[str, Any] = attrs.field(
+        default=attrs.Factory(dict),
+        validator=_check_state_option,
+        metadata={TO_KWARGS: False},
+    )
+
+    def __attrs_post_init__(self) -> None:
+        self._check_state_for_hook()
+
+    def _check_state_for_hook(self) -> None:
+        # Cross-field check, at construction and when wrapping (not on assignment, so that
+        # comm_hook and comm_state_option can be changed one after the other in any order).
+        hook, options = self.comm_hook, self.comm_state_option
+        if not options:
+            return
+        if hook in _POWER_SGD_HOOKS:
+            ddp_comm_hooks.check_power_sgd_options(options)
+        elif isinstance(hook, DDPCommunicationHookType) or not isinstance(hook, str):
+            described = f"{str(hook)!r}" if isinstance(hook, str) else f"the callable {hook!r}"
+            raise ValueError(
+                f"comm_state_option {options!r} is given, but comm_hook {described} takes no "
+                "state options (a callable hook gets state=None); leave comm_state_option empty "
+                "or register the hook with kwplug.register_comm_hook(name, hook, make_state=...)"
+            )
+
+    def _hook_and_state(self, comm_hooks: Mapping[str, CommHook]) -> tuple[HookFn | None, Any]:
+        """The hook to register (already wrapped and made acceptable to DDP) and its state;
+        ``(None, None)`` for DDP's own all-reduce."""
+        self._check_state_for_hook()
+        hook_option = self.comm_hook
+        state: Any = None
+        hook: HookFn
+        if hook_option is DDPCommunicationHookType.NO:
+            if self.comm_wrapper == DDPCommunicationHookType.NO:
+                return None, None
+            hook = ddp_comm_hooks.mean_allreduce_hook
+        elif isinstance(hook_option, str):
+            name = str(hook_option)
+            record = comm_hooks.get(name)
+            if record is None and isinstance(hook_option, DDPCommunicationHookType):
+                # The built-ins come from the ddp_comm_hooks plugin; should it be missing
+                # (not installed as an entry point), the enum still means kwplug's hooks.
+                record = ddp_comm_hooks.builtin_comm_hooks()[name]
+            if record is None:
+                known = sorted({*comm_hooks, *ddp_comm_hooks.BUILTIN_HOOK_NAMES})
+                raise ValueError(
+                    f"unknown communication hook {name!r} in DistributedDataParallelKwargs."
+                    f"comm_hook; known hooks: {_quoted(tuple(known))}. Register one with "
+                    "kwplug.register_comm_hook(name, hook) or contribute it from a plugin's "
+                    "comm_hooks hook"
+                )
+            state = record.build_state(None, self.comm_state_option)
+            hook = record.hook
+        else:
+            hook = hook_option
+        if self.comm_wrapper != DDPCommunicationHookType.NO:
+            hook = ddp_comm_hooks.COMPRESSION_WRAPPERS[self.comm_wrapper.value](hook)
+        return ddp_comm_hooks.ddp_compatible_hook(hook), state
+
+    @hookimpl
+    def wrap_model(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        world_size: int,
+        comm_hooks: Mapping[str, CommHook],
+    ) -> torch.nn.Module | None:
+        """Wrap ``model`` in ``torch.nn.parallel.DistributedDataParallel`` when distributed.
+
+        Args:
+            model: the module, already on ``device``.
+            device: ``torch.device``; ``device_ids=[device.index]`` for an indexed
+                accelerator device, ``None`` on CPU.
+            world_size: number of processes; ``<= 1`` returns ``None`` (model used unwrapped).
+            comm_hooks: the named hooks known to the Accelerator (``comm_hook`` names are
+                looked up here).
+
+        Returns:
+            The DDP module with the communication hook registered
+            (``DistributedDataParallel.register_comm_hook(state, hook)``), or ``None``.
+
+        Raises:
+            ValueError: unknown ``comm_hook`` name (lists the known names); ``comm_state_option``
+                not accepted by the hook (checked before DDP is built, so no collective runs).
+            TypeError: from torch when DDP rejects the hook (e.g. a wrong ``bucket``
+                annotation).
+        """
+        if world_size <= 1:
+            return None
+        hook, state = self._hook_and_state(comm_hooks)
+        device_ids = [device.index] if device.type != "cpu" and device.index is not None else None
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=device_ids, **self.to_kwargs()
+        )
+        if hook is not None:
+            ddp.register_comm_hook(state, hook)
+        return ddp
