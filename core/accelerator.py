@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -471,7 +472,17 @@ class Accelerator:
         return directory
 
     def end_training(self) -> None:
-        """Destroy the default process group (``torch.distributed.destroy_process_group``)."""
+        """Destroy the default process group (``torch.distributed.destroy_process_group``).
+
+        The Accelerator drops its references to prepared objects and runs the garbage
+        collector first: a DDP reducer collected after its process group is destroyed can
+        abort the process at exit.
+        """
+        self._models.clear()
+        self._optimizers.clear()
+        self._scaled_optimizers.clear()
+        self._dataloaders.clear()
+        gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
