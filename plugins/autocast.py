@@ -27,7 +27,7 @@ class AutocastKwargs(KwargsHandler):
     ``with accelerator.autocast(AutocastKwargs(enabled=False)):`` runs in full precision inside
     an autocast region.
 
-    Args:
+    Attributes:
         enabled: ``bool``, default ``True``; ``False`` disables autocast in the region.
         cache_enabled: ``bool`` or ``None`` (default: torch's default, ``True``); whether
             autocast caches the low-precision copies of weights inside the region.

@@ -111,7 +111,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
     a single process the model is returned unwrapped. Only the constructor options that differ
     from the defaults reach torch (``to_kwargs()``; the ``comm_*`` fields are never passed).
 
-    Args:
+    Attributes:
         dim: ``int``, default ``0``; ``DistributedDataParallel(dim=...)``, the dimension along
             which inputs are scattered (single-device modules ignore it).
         broadcast_buffers: ``bool``, default ``True``; sync module buffers from rank 0 at

@@ -19,7 +19,7 @@ class GradScalerKwargs(KwargsHandler):
     ``backward`` and steps optimizers through it. With ``"bf16"`` or ``"no"`` there is no
     scaler (bfloat16 has float32's range).
 
-    Args:
+    Attributes:
         init_scale: ``float`` > 0, default ``65536.0`` (2**16); the initial loss scale.
         growth_factor: ``float`` > 1, default ``2.0``; the scale is multiplied by it after
             ``growth_interval`` steps without inf/NaN gradients.

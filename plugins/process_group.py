@@ -83,7 +83,7 @@ class InitProcessGroupKwargs(KwargsHandler):
     world_size=WORLD_SIZE, rank=RANK)``. In a single process nothing is initialised, whatever
     the backend.
 
-    Args:
+    Attributes:
         backend: ``str`` (case-insensitive, stored lower-case), default ``"nccl"``. The default
             means "nccl on CUDA, the device's own
             default otherwise" (gloo on CPU, from ``torch.distributed.Backend.

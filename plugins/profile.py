@@ -169,7 +169,7 @@ class ProfileKwargs(KwargsHandler):
     normalisation (``activities=["CPU"]`` is reported as ``("cpu",)``), including the
     kwplug-only ``output_trace_dir``.
 
-    Args:
+    Attributes:
         activities: ``None`` (default) or a list/tuple of activity names among ``"cpu"``,
             ``"cuda"``, ``"xpu"``, ``"mtia"``, ``"hpu"`` (``torch.profiler.ProfilerActivity``
             members are accepted too). Maps to ``torch.profiler.profile(activities=...)`` as
