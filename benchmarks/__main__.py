@@ -20,10 +20,13 @@ from typing import Any
 
 from benchmarks import BENCHMARKS
 from benchmarks._common import (
+    CLOCK_ENV,
+    CLOCKS,
     Row,
     Target,
     accelerate_available,
     child_env,
+    clock_name,
     meta,
     single_thread,
     table_lines,
@@ -60,7 +63,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-accelerate", action="store_true", help="skip Accelerate even when installed"
     )
+    parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default=None,
+        help="wall (default) or cpu: time with this process's CPU time, robust to other load",
+    )
     args = parser.parse_args(argv)
+    if args.clock is not None:
+        os.environ[CLOCK_ENV] = args.clock
     single_thread()
     start = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
@@ -75,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = [name for name, result in results.items() if "error" in result]
     with_accelerate = accelerate_available() and not args.no_accelerate
     title = "kwplug vs raw PyTorch vs Accelerate" + (" (quick)" if args.quick else "")
+    title += f", clock: {clock_name()}"
     print("\n".join(table_lines(rows, title)))
     print()
     plain = [Target(**{k: v for k, v in t.items() if k != "benchmark"}) for t in targets]

@@ -14,6 +14,7 @@ import argparse
 import functools
 import gc
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -61,18 +62,40 @@ def child_env(**extra: str) -> dict[str, str]:
 # -- timing -----------------------------------------------------------------------------------
 
 
+#: Environment variable choosing the clock of every timing (inherited by child processes):
+#: ``wall`` (default, ``time.perf_counter``) or ``cpu`` (``time.process_time``: this process's
+#: CPU time, all threads -- robust to other processes competing for the cores; time spent
+#: blocked, e.g. waiting for the other DDP rank, is not counted).
+CLOCK_ENV = "KWPLUG_BENCH_CLOCK"
+CLOCKS = ("wall", "cpu")
+
+
+def clock_name() -> str:
+    """The clock in use (``wall`` or ``cpu``)."""
+    name = os.environ.get(CLOCK_ENV, "wall") or "wall"
+    if name not in CLOCKS:
+        raise ValueError(f"{CLOCK_ENV} must be one of {CLOCKS}, got {name!r}")
+    return name
+
+
+def clock() -> Callable[[], float]:
+    """``time.perf_counter`` or ``time.process_time``, per :func:`clock_name`."""
+    return time.process_time if clock_name() == "cpu" else time.perf_counter
+
+
 def timed(fn: Callable[[int], object], n: int) -> float:
-    """Seconds per iteration of ``fn(n)`` (which runs ``n`` iterations).
+    """Seconds per iteration of ``fn(n)`` (which runs ``n`` iterations), on :func:`clock`.
 
     Garbage is collected before, and the collector paused during, the block (as ``timeit``).
     """
+    now = clock()
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
     try:
-        start = time.perf_counter()
+        start = now()
         fn(n)
-        return (time.perf_counter() - start) / n
+        return (now() - start) / n
     finally:
         if enabled:
             gc.enable()
@@ -84,7 +107,10 @@ def block(fn: Callable[[int], object], n: int) -> Callable[[], float]:
 
 
 def interleave(blocks: Mapping[str, Callable[[], float]], reps: int, warmup: int = 1) -> Samples:
-    """Run each block once per repetition, order alternating (A B C, C B A, ...).
+    """Run each block once per repetition, the order rotating through every permutation.
+
+    With two blocks that is A B, B A, A B, ...; with three, A B C, A C B, B A C, ... -- so each
+    implementation runs equally often in each position (before/after each other one).
 
     Args:
         blocks: implementation name -> a callable that measures one block and returns its
@@ -102,8 +128,9 @@ def interleave(blocks: Mapping[str, Callable[[], float]], reps: int, warmup: int
     # collector's sight, so that timed()'s collection before each block stays cheap.
     gc.collect()
     gc.freeze()
+    orders = list(itertools.permutations(names))
     for rep in range(warmup + reps):
-        order = names if rep % 2 == 0 else names[::-1]
+        order = orders[rep % len(orders)]
         for name in order:
             value = blocks[name]()
             if rep >= warmup:
@@ -127,7 +154,10 @@ class Row:
     applicable; a string: a short reason, e.g. an error). ``kwplug_vs_raw`` and
     ``accelerate_vs_raw`` are medians of paired throughput ratios (1.0 = as fast as raw
     PyTorch, higher is better); ``kwplug_extra``/``accelerate_extra`` are medians of paired
-    differences to raw in ``extra_unit`` (e.g. microseconds per step).
+    differences to raw in ``extra_unit`` (e.g. microseconds per step). ``*_vs_raw_best`` is the
+    same ratio between the *fastest* repetitions (``min`` raw / ``min`` other, as ``timeit``
+    advises): outside interference only ever adds time, so on a shared machine it is the
+    estimate least disturbed by other processes.
     """
 
     case: str
@@ -139,6 +169,8 @@ class Row:
     accelerate_vs_raw: float | None = None
     kwplug_extra: float | None = None
     accelerate_extra: float | None = None
+    kwplug_vs_raw_best: float | None = None
+    accelerate_vs_raw_best: float | None = None
     extra_unit: str = ""
     note: str = ""
 
@@ -179,6 +211,7 @@ def timing_row(
         if raw and impl != "raw":
             pairs = list(zip(raw, values, strict=True))
             setattr(row, f"{impl}_vs_raw", median([r / v for r, v in pairs]))
+            setattr(row, f"{impl}_vs_raw_best", min(raw) / min(values))
             setattr(row, f"{impl}_extra", median([(v - r) * extra_scale for r, v in pairs]))
     return row
 
@@ -238,6 +271,7 @@ def meta() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
+        "clock": clock_name(),
         "loadavg_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "machine": platform.machine(),
     }
@@ -256,6 +290,10 @@ def _fmt(value: float | str | None, digits: int = 3) -> str:
     if abs(value) >= 1000:
         return f"{value:,.0f}"
     return f"{value:.{digits}g}"
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}x"
 
 
 def _fmt_extra(value: float | None, unit: str) -> str:
@@ -277,6 +315,8 @@ def table_lines(rows: Sequence[Row], title: str = "") -> list[str]:
         "accelerate vs raw",
         "kwplug extra",
         "accelerate extra",
+        "kwplug vs raw, best",
+        "accelerate vs raw, best",
     ]
     body = [
         [
@@ -285,10 +325,12 @@ def table_lines(rows: Sequence[Row], title: str = "") -> list[str]:
             _fmt(row.raw),
             _fmt(row.kwplug),
             _fmt(row.accelerate),
-            _fmt(row.kwplug_vs_raw, 4) + ("x" if row.kwplug_vs_raw is not None else ""),
-            _fmt(row.accelerate_vs_raw, 4) + ("x" if row.accelerate_vs_raw is not None else ""),
+            _fmt_ratio(row.kwplug_vs_raw),
+            _fmt_ratio(row.accelerate_vs_raw),
             _fmt_extra(row.kwplug_extra, row.extra_unit),
             _fmt_extra(row.accelerate_extra, row.extra_unit),
+            _fmt_ratio(row.kwplug_vs_raw_best),
+            _fmt_ratio(row.accelerate_vs_raw_best),
         ]
         for row in rows
     ]
@@ -321,7 +363,9 @@ def target_lines(targets: Sequence[Target]) -> list[str]:
 
 def print_result(result: Result) -> None:
     """Print a benchmark's table, targets and checks."""
-    title = f"{result.benchmark}" + (" (quick)" if result.quick else "")
+    title = (
+        f"{result.benchmark}" + (" (quick)" if result.quick else "") + f", clock: {clock_name()}"
+    )
     print("\n".join(table_lines(result.rows, title)))
     if result.targets:
         print()
@@ -355,6 +399,13 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
         help="write the JSON result to PATH ('-' or omitted: print it after the table)",
     )
     parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default=None,
+        help="wall (default): elapsed time; cpu: this process's CPU time, robust to other "
+        f"load on a shared machine (also settable with {CLOCK_ENV})",
+    )
+    parser.add_argument(
         "--no-accelerate",
         action="store_true",
         help="skip Hugging Face Accelerate even when it is installed",
@@ -370,6 +421,8 @@ def run_main(
 ) -> Result:
     """Command line of one benchmark: parse, run ``run(quick, with_accelerate)``, print, save."""
     args = parse_args(description, argv)
+    if args.clock is not None:
+        os.environ[CLOCK_ENV] = args.clock
     single_thread()
     with_accelerate = accelerate_available() and not args.no_accelerate
     result = run(args.quick, with_accelerate)

@@ -74,8 +74,8 @@ def make_accelerator(impl: str, mixed: str) -> Any:
 def run(quick: bool, with_accelerate: bool) -> Result:
     """Measure bf16 and off; see the module docstring."""
     frameworks = ["kwplug"] + (["accelerate"] if with_accelerate else [])
-    reps = 3 if quick else 21
-    n = 2_000 if quick else 20_000
+    reps = 3 if quick else 61
+    n = 2_000 if quick else 5_000
     result = Result("autocast_enter", quick)
     samples_by_case = {}
     for case, mixed, raw in (("bf16", "bf16", raw_bf16), ("off", "no", raw_off)):
@@ -94,11 +94,21 @@ def run(quick: bool, with_accelerate: bool) -> Result:
         "samples_s_per_entry": samples_by_case,
     }
     bf16, off = result.rows
+    # The issue's absolute goals (3.2 / 0.4 µs) were set where raw torch.autocast costs 3.0 µs and
+    # nullcontext 0.25 µs; the same goals relative to raw (+0.2 / +0.15 µs) hold on any machine.
     result.targets = [
-        Target("accelerator.autocast() entry, bf16", bf16.kwplug, "<=", 3.2, "µs"),  # type: ignore[arg-type]
-        Target("accelerator.autocast() entry, off", off.kwplug, "<=", 0.4, "µs"),  # type: ignore[arg-type]
+        Target("accelerator.autocast() entry, bf16", _num(bf16.kwplug), "<=", 3.2, "µs"),
+        Target("accelerator.autocast() entry, off", _num(off.kwplug), "<=", 0.4, "µs"),
+        Target(
+            "autocast entry bf16, extra over torch.autocast", bf16.kwplug_extra, "<=", 0.2, "µs"
+        ),
+        Target("autocast entry off, extra over nullcontext()", off.kwplug_extra, "<=", 0.15, "µs"),
     ]
     return result
+
+
+def _num(value: float | str | None) -> float | None:
+    return value if isinstance(value, float) else None
 
 
 def main(argv: Sequence[str] | None = None) -> Result:

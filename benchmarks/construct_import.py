@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks._common import (
+    CLOCK_ENV,
     Result,
     Samples,
     Target,
@@ -46,18 +47,19 @@ HANDLERS = (
 # Runs in a fresh interpreter and prints its timings as JSON (first_s = handlers_s + accelerator_s:
 # importing and instantiating the 5 handler classes, then the Accelerator with discovery).
 CHILD = """
-import json, time, warnings
+import json, os, time, warnings
 warnings.simplefilter("ignore")
-t0 = time.perf_counter()
+now = time.process_time if os.environ.get("{clock_env}") == "cpu" else time.perf_counter
+t0 = now()
 import torch
-t1 = time.perf_counter()
+t1 = now()
 import {module}
-t2 = time.perf_counter()
+t2 = now()
 from {module} import Accelerator, {handlers}
 handlers = [{calls}]
-t3 = time.perf_counter()
+t3 = now()
 accelerator = Accelerator(cpu=True, kwargs_handlers=handlers)
-t4 = time.perf_counter()
+t4 = now()
 print(json.dumps({{
     "torch_s": t1 - t0,
     "import_s": t2 - t1,
@@ -71,6 +73,7 @@ print(json.dumps({{
 def child_source(module: str) -> str:
     """The child's program for ``module`` (``kwplug`` or ``accelerate``)."""
     return CHILD.format(
+        clock_env=CLOCK_ENV,
         module=module,
         handlers=", ".join(HANDLERS),
         calls=", ".join(f"{name}()" for name in HANDLERS),
@@ -152,12 +155,12 @@ def run(quick: bool, with_accelerate: bool) -> Result:
         timing_row("import + first Accelerator(5 handlers)", totals, unit="ms", scale=1e3)
     )
 
-    n = 5 if quick else 50
+    n = 5 if quick else 20
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         constructors = {impl: make_constructor(impl) for impl in frameworks}
         blocks = {impl: block(fn, n) for impl, fn in constructors.items()}
-        repeated = interleave(blocks, reps=3 if quick else 15, warmup=1)
+        repeated = interleave(blocks, reps=3 if quick else 31, warmup=1)
     result.rows.append(timing_row("repeated Accelerator(5 handlers)", repeated))
 
     import_row, first_row, _total_row, repeated_row = result.rows

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks._common import Result, Row, Target, child_env, run_main, timing_row
+from benchmarks.ddp_worker import CONTROL
 
 DESCRIPTION = "2-process DDP steps/s and all-reduce bytes per hook: raw vs kwplug vs Accelerate."
 
@@ -75,12 +76,21 @@ def run(quick: bool, with_accelerate: bool) -> Result:
     data = launch(quick, with_accelerate)
     result = Result("ddp_2proc", quick)
     builtin = data["no_hook_builtin_allreduce"]
+    controls: dict[str, dict[str, float | None]] = {}
     for hook, measured in data["hooks"].items():
         samples = {impl: s for impl, s in measured["samples_s_per_step"].items() if s}
+        control = samples.pop(CONTROL, None)
         row = timing_row(f"ddp 2proc mlp, hook={hook}", samples, unit="steps/s", rate=True)
+        if control and "raw" in samples:
+            aa = timing_row("A/A", {"raw": samples["raw"], "kwplug": control}, rate=True)
+            controls[hook] = {"extra_us": aa.kwplug_extra, "vs_raw": aa.kwplug_vs_raw}
+            row.note = (
+                f"A/A control (a second raw DDP vs raw): {aa.kwplug_vs_raw:.3f}x -- this row's "
+                "noise floor"
+            )
         for impl, error in measured["errors"].items():
             setattr(row, impl, "error")
-            row.note = f"{impl} failed: {error}"
+            row.note = "; ".join(filter(None, [row.note, f"{impl} failed: {error}"]))
         result.rows.append(row)
     for hook, measured in data["hooks"].items():
         counted = measured["allreduce_per_step"]
@@ -114,6 +124,7 @@ def run(quick: bool, with_accelerate: bool) -> Result:
         "worker": {k: v for k, v in data.items() if k != "hooks"},
         "allreduce_per_step": {h: m["allreduce_per_step"] for h, m in data["hooks"].items()},
         "samples_s_per_step": {h: m["samples_s_per_step"] for h, m in data["hooks"].items()},
+        "aa_control": controls,
     }
     return result
 

@@ -116,8 +116,12 @@ def build_accelerate(hook: str, loss_fn: Any) -> Trainer:
     return (lambda data: framework_loop(accelerator, model, opt, data, loss_fn)), model
 
 
+#: A second raw DDP, timed in the same interleaving: the run's noise floor (A/A test).
+CONTROL = "raw_copy"
+
 BUILDERS: dict[str, Callable[[str, Any], Trainer]] = {
     "raw": build_raw,
+    CONTROL: build_raw,
     "kwplug": build_kwplug,
     "accelerate": build_accelerate,
 }
@@ -206,12 +210,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
     impls = ["raw", "kwplug"] + ([] if args.no_accelerate else ["accelerate"])
-    steps = 5 if args.quick else 30
-    reps = 2 if args.quick else 11
+    steps = 5 if args.quick else 10
+    reps = 2 if args.quick else 31
     batches, loss_fn = make_batches("mlp", seed=100 + rank)
     data = (batches * (steps // len(batches) + 1))[:steps]
     results = {"no_hook_builtin_allreduce": default_allreduce_bytes(data, loss_fn)}
-    hooks = {hook: bench_hook(hook, impls, data, loss_fn, reps) for hook in HOOKS}
+    hooks = {hook: bench_hook(hook, [*impls, CONTROL], data, loss_fn, reps) for hook in HOOKS}
     if rank == 0:
         out = {
             "world_size": dist.get_world_size(),

@@ -280,8 +280,8 @@ def run(quick: bool, with_accelerate: bool) -> Result:
                 note="calls executing the framework's own source files (sys.setprofile)",
             )
         )
-    reps = 3 if quick else 15
-    n = 200 if quick else 3000
+    reps = 3 if quick else 31
+    n = 200 if quick else 1000
     samples = {}
     for hook_name in ("autocast", "make_scaler", "wrap_model"):
         blocks, note = hook_call_blocks(hook_name, n)

@@ -36,11 +36,14 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 WORKLOADS: dict[str, dict[str, Any]] = {
-    "tiny": {"batch": 8, "steps": 1000, "quick_steps": 100},
-    "mlp": {"batch": 64, "steps": 100, "quick_steps": 10},
+    "tiny": {"batch": 8, "steps": 200, "quick_steps": 100},
+    "mlp": {"batch": 64, "steps": 20, "quick_steps": 10},
 }
 PRECISIONS = ("fp32", "bf16")
 N_BATCHES = 8
+#: A second copy of the raw loop, timed in the same interleaving: its difference to ``raw`` is
+#: the noise floor of the run (an A/A test).
+CONTROL = "raw_copy"
 
 
 def make_model(workload: str) -> torch.nn.Module:
@@ -161,7 +164,7 @@ def trainer(
     """``run(n)`` training ``impl``'s copy of the model over ``data``, and that model."""
     model = make_model(workload)
     opt = make_optimizer(model)
-    if impl == "raw":
+    if impl in ("raw", CONTROL):
         loop = raw_loop_fp32 if precision == "fp32" else raw_loop_bf16
 
         def run_raw(n: int) -> None:
@@ -186,19 +189,30 @@ def params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 def run(quick: bool, with_accelerate: bool) -> Result:
     """Measure every workload x precision; see the module docstring."""
     impls = ["raw", "kwplug"] + (["accelerate"] if with_accelerate else [])
-    reps = 3 if quick else 21
+    reps = 3 if quick else 61
     result = Result("step_overhead", quick)
     equal: dict[str, dict[str, bool]] = {}
+    controls: dict[str, dict[str, float | None]] = {}
     samples_by_case: dict[str, Samples] = {}
     for workload in WORKLOADS:
         steps = WORKLOADS[workload]["quick_steps" if quick else "steps"]
         for precision in PRECISIONS:
             case = f"{workload} {precision}"
-            blocks, models = blocks_for(workload, precision, impls, steps)
+            blocks, models = blocks_for(workload, precision, [*impls, CONTROL], steps)
             samples = interleave(blocks, reps=reps, warmup=1)
             samples_by_case[case] = samples
-            result.rows.append(timing_row(f"{case} step", samples, unit="steps/s", rate=True))
-            equal[case] = {impl: params_equal(models["raw"], models[impl]) for impl in impls[1:]}
+            control = samples.pop(CONTROL)
+            row = timing_row(f"{case} step", samples, unit="steps/s", rate=True)
+            aa = timing_row("A/A", {"raw": samples["raw"], "kwplug": control}, rate=True)
+            row.note = (
+                "A/A control (a second raw copy vs raw, same run): "
+                f"{aa.kwplug_extra:+.2f} µs/step, {aa.kwplug_vs_raw:.3f}x -- this row's noise floor"
+            )
+            controls[case] = {"extra_us": aa.kwplug_extra, "vs_raw": aa.kwplug_vs_raw}
+            result.rows.append(row)
+            equal[case] = {
+                impl: params_equal(models["raw"], models[impl]) for impl in [*impls[1:], CONTROL]
+            }
             if with_accelerate:
                 reset_accelerate()
     result.checks = {
@@ -211,6 +225,7 @@ def run(quick: bool, with_accelerate: bool) -> Result:
             w: WORKLOADS[w]["quick_steps" if quick else "steps"] for w in WORKLOADS
         },
         "samples_s_per_step": samples_by_case,
+        "aa_control": controls,
     }
     rows = {row.case: row for row in result.rows}
     for precision, limit in (("fp32", 5.0), ("bf16", 8.0)):
