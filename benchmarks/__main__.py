@@ -67,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--clock",
         choices=CLOCKS,
         default=None,
-        help="wall (default) or cpu: time with this process's CPU time, robust to other load",
+        help="wall (default), cpu or thread: time with this process's / thread's CPU time, "
+        "robust to other load on a shared machine",
     )
     args = parser.parse_args(argv)
     if args.clock is not None:
@@ -89,7 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     title += f", clock: {clock_name()}"
     print("\n".join(table_lines(rows, title)))
     print()
-    plain = [Target(**{k: v for k, v in t.items() if k != "benchmark"}) for t in targets]
+    plain = [
+        Target(**{k: v for k, v in t.items() if k not in ("benchmark", "status")}) for t in targets
+    ]
     print("\n".join(target_lines(plain)))
     if failed:
         print(f"\nFAILED: {', '.join(failed)}")

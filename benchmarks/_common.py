@@ -63,11 +63,13 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 #: Environment variable choosing the clock of every timing (inherited by child processes):
-#: ``wall`` (default, ``time.perf_counter``) or ``cpu`` (``time.process_time``: this process's
-#: CPU time, all threads -- robust to other processes competing for the cores; time spent
-#: blocked, e.g. waiting for the other DDP rank, is not counted).
+#: ``wall`` (default, ``time.perf_counter``), ``cpu`` (``time.process_time``: this process's
+#: CPU time, all threads) or ``thread`` (``time.thread_time``: the calling thread's CPU time;
+#: in DDP that leaves out gloo's communication threads and keeps forward, backward, the hooks'
+#: Python work and the optimizer). The CPU clocks are robust to other processes competing for
+#: the cores; time spent blocked, e.g. waiting for the other DDP rank, is not counted.
 CLOCK_ENV = "KWPLUG_BENCH_CLOCK"
-CLOCKS = ("wall", "cpu")
+CLOCKS = ("wall", "cpu", "thread")
 
 
 def clock_name() -> str:
@@ -79,8 +81,10 @@ def clock_name() -> str:
 
 
 def clock() -> Callable[[], float]:
-    """``time.perf_counter`` or ``time.process_time``, per :func:`clock_name`."""
-    return time.process_time if clock_name() == "cpu" else time.perf_counter
+    """``perf_counter``, ``process_time`` or ``thread_time`` (``time``), per :func:`clock_name`."""
+    return {"wall": time.perf_counter, "cpu": time.process_time, "thread": time.thread_time}[
+        clock_name()
+    ]
 
 
 def timed(fn: Callable[[int], object], n: int) -> float:
@@ -221,6 +225,9 @@ class Target:
     """A goal of the issue, checked against a measured figure.
 
     ``op`` is ``"<="`` or ``">="``; ``met`` is ``None`` when the figure could not be measured.
+    ``noise`` is the same figure for the run's A/A control (a second raw copy against raw),
+    when there is one: a miss by less than the control's own deviation (from 1.0 for ratios,
+    from 0 for extra time) is ``within_noise`` -- the run could not tell it from no difference.
     """
 
     name: str
@@ -229,10 +236,26 @@ class Target:
     limit: float
     unit: str = ""
     met: bool | None = None
+    noise: float | None = None
+    within_noise: bool | None = None
 
     def __post_init__(self) -> None:
         if self.value is not None and self.met is None:
             self.met = self.value <= self.limit if self.op == "<=" else self.value >= self.limit
+        if self.met is False and self.noise is not None and self.value is not None:
+            if self.op == "<=":
+                self.within_noise = self.value <= self.limit + abs(self.noise)
+            else:
+                self.within_noise = self.value >= self.limit - abs(1.0 - self.noise)
+
+    @property
+    def status(self) -> str:
+        """``met``, ``MISSED``, ``missed within noise`` or ``n/a``."""
+        if self.met is None:
+            return "n/a"
+        if self.met:
+            return "met"
+        return "missed within noise" if self.within_noise else "MISSED"
 
 
 @dataclass
@@ -248,8 +271,11 @@ class Result:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict."""
-        return asdict(self)
+        """A JSON-serialisable dict (each target with its ``status``)."""
+        data = asdict(self)
+        for target, entry in zip(self.targets, data["targets"], strict=True):
+            entry["status"] = target.status
+        return data
 
 
 def meta() -> dict[str, Any]:
@@ -350,13 +376,13 @@ def table_lines(rows: Sequence[Row], title: str = "") -> list[str]:
 
 
 def target_lines(targets: Sequence[Target]) -> list[str]:
-    """The targets as a Markdown table with met/MISSED."""
-    lines = ["| target | measured | goal | |", "|---|---|---|---|"]
+    """The targets as a Markdown table with their status and the A/A control's figure."""
+    lines = ["| target | measured | goal | A/A control | status |", "|---|---|---|---|---|"]
     for t in targets:
-        status = "n/a" if t.met is None else ("met" if t.met else "MISSED")
+        control = "—" if t.noise is None else f"{_fmt(t.noise, 3)} {t.unit}"
         lines.append(
             f"| {t.name} | {_fmt(t.value, 4)} {t.unit} | {t.op} {_fmt(t.limit, 4)} {t.unit} "
-            f"| {status} |"
+            f"| {control} | {t.status} |"
         )
     return lines
 
@@ -402,8 +428,8 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
         "--clock",
         choices=CLOCKS,
         default=None,
-        help="wall (default): elapsed time; cpu: this process's CPU time, robust to other "
-        f"load on a shared machine (also settable with {CLOCK_ENV})",
+        help="wall (default): elapsed time; cpu / thread: this process's / this thread's CPU "
+        f"time, robust to other load on a shared machine (also settable with {CLOCK_ENV})",
     )
     parser.add_argument(
         "--no-accelerate",

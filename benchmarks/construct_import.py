@@ -49,7 +49,9 @@ HANDLERS = (
 CHILD = """
 import json, os, time, warnings
 warnings.simplefilter("ignore")
-now = time.process_time if os.environ.get("{clock_env}") == "cpu" else time.perf_counter
+now = {{"cpu": time.process_time, "thread": time.thread_time}}.get(
+    os.environ.get("{clock_env}", ""), time.perf_counter
+)
 t0 = now()
 import torch
 t1 = now()

@@ -25,6 +25,9 @@ from benchmarks.ddp_worker import CONTROL
 
 DESCRIPTION = "2-process DDP steps/s and all-reduce bytes per hook: raw vs kwplug vs Accelerate."
 
+#: Hooks whose result kwplug must reproduce bit for bit (checked: parameters equal raw DDP's).
+EXACT_HOOKS = ("no", "fp16", "bf16")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -110,15 +113,25 @@ def run(quick: bool, with_accelerate: bool) -> Result:
         result.rows.append(row)
     for hook in data["hooks"]:
         ratio = next(r for r in result.rows if r.case.endswith(f"hook={hook}")).kwplug_vs_raw
+        noise = controls.get(hook, {}).get("vs_raw")
         result.targets.append(
-            Target(f"2-process DDP hook={hook}: kwplug vs raw DDP", ratio, ">=", 0.98, "x")
+            Target(
+                f"2-process DDP hook={hook}: kwplug vs raw DDP", ratio, ">=", 0.98, "x", noise=noise
+            )
         )
     result.checks = {
         "params_equal_raw": {h: m["params_equal_raw"] for h, m in data["hooks"].items()},
         "errors": {h: m["errors"] for h, m in data["hooks"].items() if m["errors"]},
+        # Without a hook and with the fp16/bf16 hooks kwplug runs exactly raw DDP's arithmetic.
+        # PowerSGD approximates each bucket; kwplug may run it over a different (canonical)
+        # parameter layout than the hook registered by hand, so equality is reported, not
+        # required, there.
         "kwplug_params_equal_raw": all(
-            m["params_equal_raw"].get("kwplug", False) for m in data["hooks"].values()
+            m["params_equal_raw"].get("kwplug", False)
+            for h, m in data["hooks"].items()
+            if h in EXACT_HOOKS
         ),
+        "exact_hooks": [h for h in data["hooks"] if h in EXACT_HOOKS],
     }
     result.info = {
         "worker": {k: v for k, v in data.items() if k != "hooks"},

@@ -23,6 +23,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +41,8 @@ from benchmarks.step_overhead import (
 )
 
 HOOKS: tuple[str, ...] = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")
+#: Comma-separated subset of HOOKS to run (default: all), e.g. ``KWPLUG_BENCH_DDP_HOOKS=no,fp16``.
+HOOKS_ENV = "KWPLUG_BENCH_DDP_HOOKS"
 POWER_SGD_OPTIONS: dict[str, Any] = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
 PROBE_STEPS = 4  # past start_powerSGD_iter, so compression runs before timing starts
 COUNT_STEPS = 3
@@ -215,7 +218,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     batches, loss_fn = make_batches("mlp", seed=100 + rank)
     data = (batches * (steps // len(batches) + 1))[:steps]
     results = {"no_hook_builtin_allreduce": default_allreduce_bytes(data, loss_fn)}
-    hooks = {hook: bench_hook(hook, [*impls, CONTROL], data, loss_fn, reps) for hook in HOOKS}
+    selected = [h for h in os.environ.get(HOOKS_ENV, "").split(",") if h] or list(HOOKS)
+    unknown = sorted(set(selected) - set(HOOKS))
+    if unknown:
+        raise ValueError(f"{HOOKS_ENV}: unknown hooks {unknown}; known: {HOOKS}")
+    hooks = {hook: bench_hook(hook, [*impls, CONTROL], data, loss_fn, reps) for hook in selected}
     if rank == 0:
         out = {
             "world_size": dist.get_world_size(),

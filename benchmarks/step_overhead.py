@@ -236,6 +236,7 @@ def run(quick: bool, with_accelerate: bool) -> Result:
                 "<=",
                 limit,
                 "µs",
+                noise=controls[f"tiny {precision}"]["extra_us"],
             )
         )
     for precision in PRECISIONS:
@@ -246,6 +247,7 @@ def run(quick: bool, with_accelerate: bool) -> Result:
                 ">=",
                 0.99,
                 "x",
+                noise=controls[f"mlp {precision}"]["vs_raw"],
             )
         )
     return result
