@@ -110,6 +110,7 @@ class Accelerator:
         self._scaled_optimizers: list[ScaledOptimizer] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._dataloaders: list[DataLoader[Any]] = []
+        self._custom_objects: list[Any] = []
         logger.debug(
             "Accelerator on %s, rank %d/%d, mixed_precision=%s, plugins: %s",
             self.device,
@@ -371,14 +372,33 @@ class Accelerator:
 
     # -- checkpoints ---------------------------------------------------------------------
 
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include ``objects`` (each with ``state_dict()`` and ``load_state_dict()``, e.g. an
+        LR scheduler or a step counter) in :meth:`save_state` / :meth:`load_state`.
+
+        Raises:
+            TypeError: an object lacks ``state_dict`` or ``load_state_dict``.
+        """
+        for obj in objects:
+            if not (
+                callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))
+            ):
+                raise TypeError(
+                    f"{type(obj).__qualname__} cannot be checkpointed: it needs state_dict() "
+                    "and load_state_dict()"
+                )
+            self._custom_objects.append(obj)
+
     def save_state(self, output_dir: str | os.PathLike[str]) -> Path:
         """Save everything needed to resume training exactly, atomically.
 
         Saves the prepared models (unwrapped ``state_dict``), optimizers, the gradient scaler,
-        and per rank the RNG states (Python, NumPy, torch CPU and device), the prepared data
-        loaders' positions (epoch and batches consumed) and the state of stateful DDP
-        communication hooks (PowerSGD's error feedback and step counter). Every rank must call
-        it; see :mod:`kwplug.checkpoint` for the layout and the crash-safety guarantees.
+        objects given to :meth:`register_for_checkpointing`, and per rank the RNG states
+        (Python, NumPy, torch CPU and device), the prepared data loaders' positions (epoch and
+        batches consumed) and the state of stateful DDP communication hooks (PowerSGD's error
+        feedback and step counter). Every rank must call it; see :mod:`kwplug.checkpoint` for
+        the layout and the crash-safety guarantees.
 
         Args:
             output_dir: the checkpoint directory; an existing checkpoint there is replaced
@@ -401,6 +421,8 @@ class Accelerator:
                 checkpoint.atomic_save(optimizer.state_dict(), staging / f"optimizer_{i}.pt")
             if self.scaler is not None:
                 checkpoint.atomic_save(self.scaler.state_dict(), staging / "scaler.pt")
+            for i, obj in enumerate(self._custom_objects):
+                checkpoint.atomic_save(obj.state_dict(), staging / f"custom_{i}.pt")
         per_rank = {
             "world_size": self.num_processes,
             "rng": checkpoint.rng_state(self.device),
@@ -455,6 +477,8 @@ class Accelerator:
             optimizer.load_state_dict(state)
         if self.scaler is not None and (directory / "scaler.pt").is_file():
             self.scaler.load_state_dict(torch.load(directory / "scaler.pt"))
+        for i, obj in enumerate(self._custom_objects):
+            obj.load_state_dict(torch.load(directory / f"custom_{i}.pt", weights_only=False))
         saved_loaders = per_rank["dataloaders"]
         if len(saved_loaders) != len(self._dataloaders):
             raise ValueError(
@@ -482,6 +506,7 @@ class Accelerator:
         self._optimizers.clear()
         self._scaled_optimizers.clear()
         self._dataloaders.clear()
+        self._custom_objects.clear()
         gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

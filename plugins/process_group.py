@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -147,17 +148,50 @@ class InitProcessGroupKwargs(KwargsHandler):
             return dist.Backend.default_device_backend_map.get(device_type, "gloo")
         return self.backend
 
+    def _restart_safe_store(self, world_size: int, rank: int) -> dist.Store | None:
+        """torch's own ``env://`` rendezvous, namespaced by torchrun's restart attempt.
+
+        After ``torchrun --max-restarts`` restarts the workers, the store can still hold the
+        previous attempt's peer addresses under the same keys, and a restarted gloo group may
+        try to connect to a dead peer. A ``PrefixStore`` per ``TORCHELASTIC_RESTART_COUNT``
+        keeps attempts apart; ``None`` (plain ``init_method``) outside restarts.
+        """
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if self.init_method is not None or attempt in (None, "", "0"):
+            return None
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=self.timeout))
+        return dist.PrefixStore(f"kwplug/attempt_{attempt}", store)
+
     @hookimpl
     def init_process_group(self, device_type: str, world_size: int, rank: int) -> bool | None:
         """Initialise the default process group from the resolved fields (not ``to_kwargs()``:
-        a non-default backend with a timeout equal to the nccl default would lose it)."""
+        a non-default backend with a timeout equal to the nccl default would lose it).
+
+        Raises:
+            RuntimeError: the rendezvous or the backend failed within ``timeout``; the message
+                names the rank, the backend and the address (the torch error is chained).
+        """
         if world_size <= 1:
             return None
-        dist.init_process_group(
-            backend=self.resolved_backend(device_type),
-            init_method=self.init_method,
-            timeout=self.timeout,
-            world_size=world_size,
-            rank=rank,
-        )
+        backend = self.resolved_backend(device_type)
+        try:
+            store = self._restart_safe_store(world_size, rank)
+            dist.init_process_group(
+                backend=backend,
+                init_method=None if store is not None else self.init_method,
+                store=store,
+                timeout=self.timeout,
+                world_size=world_size,
+                rank=rank,
+            )
+        except RuntimeError as exc:  # torch's message carries a C++ stack; keep its first line
+            where = self.init_method or (
+                f"env:// at {os.environ.get('MASTER_ADDR', '?')}:"
+                f"{os.environ.get('MASTER_PORT', '?')}"
+            )
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise RuntimeError(
+                f"rank {rank}/{world_size} could not initialise the {backend} process group "
+                f"({where}, timeout {self.timeout}): {type(exc).__name__}: {first_line}"
+            ) from exc
         return True

@@ -25,20 +25,29 @@ def torchrun(
     env: dict[str, str] | None = None,
     torchrun_args: Sequence[str] = (),
     check: bool = True,
+    elastic: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m torch.distributed.run --nproc-per-node nproc script *args``.
 
-    One thread per process (OMP_NUM_THREADS=1) so two ranks share two cores fairly. Raises
+    One thread per process (OMP_NUM_THREADS=1) so two ranks share two cores fairly. With
+    ``elastic``, rendezvous goes through torchrun's c10d backend (``--rdzv-backend c10d``),
+    which restarted workers (``--max-restarts``) need: the static master-address rendezvous
+    can leave a restarted gloo group waiting for the previous attempt's peers. Raises
     ``AssertionError`` with both output streams when ``check`` and the run failed, and
     ``subprocess.TimeoutExpired`` after ``timeout`` seconds (the process tree is killed).
     """
+    port = free_port()
+    rendezvous = (
+        ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+        if elastic
+        else ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    )
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
+        *rendezvous,
         *torchrun_args,
         str(script),
         *args,

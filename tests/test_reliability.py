@@ -1,0 +1,114 @@
+"""Surviving worker failure with torchrun's elastic restarts; no hangs when a peer dies."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torchrun import torchrun
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path: Path) -> None:
+    args = ["--steps", "30", "--every", "5", "--comm-hook", "no"]
+    torchrun(
+        WORKERS / "elastic.py", str(tmp_path / "clean.pt"), str(tmp_path / "c1"), *args, timeout=180
+    )
+    run = torchrun(
+        WORKERS / "elastic.py",
+        str(tmp_path / "faulty.pt"),
+        str(tmp_path / "c2"),
+        *args,
+        "--kill-rank",
+        "1",
+        "--kill-at",
+        "13",
+        torchrun_args=["--max-restarts=1", "--monitor-interval=0.5"],
+        elastic=True,
+        timeout=240,
+    )
+    assert "resumed at step 10 (restart 1)" in run.stdout  # last checkpoint before the kill
+    clean = torch.load(tmp_path / "clean.pt")
+    faulty = torch.load(tmp_path / "faulty.pt")
+    assert torch.equal(clean, faulty)
+
+
+def test_peer_death_without_restart_fails_fast(tmp_path: Path) -> None:
+    start = time.monotonic()
+    run = torchrun(
+        WORKERS / "elastic.py",
+        str(tmp_path / "x.pt"),
+        str(tmp_path / "c"),
+        "--steps",
+        "30",
+        "--every",
+        "100",
+        "--kill-rank",
+        "1",
+        "--kill-at",
+        "3",
+        timeout=120,
+        check=False,
+    )
+    elapsed = time.monotonic() - start
+    assert run.returncode != 0
+    assert run.stdout.count("training") == 2  # both ranks were training when rank 1 died
+    assert elapsed < 60  # bounded by the 60 s process-group timeout, not a hang
+    assert "local_rank: 1" in run.stderr and "Signal 9 (SIGKILL)" in run.stderr
+
+
+UNREACHABLE = """
+import time, kwplug
+from kwplug import InitProcessGroupKwargs
+start = time.monotonic()
+try:
+    kwplug.Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=3)])
+except RuntimeError as exc:
+    print("ERROR", exc)
+print("ELAPSED", time.monotonic() - start)
+"""
+
+
+def test_unreachable_rendezvous_fails_within_the_timeout_naming_the_address() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from torchrun import free_port
+
+    port = free_port()  # nobody listens there
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", UNREACHABLE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    error = next(line for line in run.stdout.splitlines() if line.startswith("ERROR"))
+    elapsed = float(run.stdout.split("ELAPSED")[-1])
+    assert f"127.0.0.1:{port}" in error and "rank 1/2" in error and "gloo" in error
+    assert "frame #" not in error  # one readable line, not torch's C++ stack
+    assert elapsed < 30  # the 3 s timeout, not torch's 30 minutes
+
+
+def test_register_for_checkpointing_needs_state_dict() -> None:
+    import kwplug
+
+    accelerator = kwplug.Accelerator(cpu=True)
+    try:
+        accelerator.register_for_checkpointing(object())
+    except TypeError as exc:
+        assert "state_dict" in str(exc)
+    else:
+        raise AssertionError("no TypeError")
