@@ -148,7 +148,7 @@ class InitProcessGroupKwargs(KwargsHandler):
             return dist.Backend.default_device_backend_map.get(device_type, "gloo")
         return self.backend
 
-    def _restart_safe_store(self, world_size: int, rank: int) -> dist.Store | None:
+    def _restart_safe_store(self, world_size: int, rank: int) -> Any:
         """torch's own ``env://`` rendezvous, namespaced by torchrun's restart attempt.
 
         After ``torchrun --max-restarts`` restarts the workers, the store can still hold the
@@ -159,8 +159,10 @@ class InitProcessGroupKwargs(KwargsHandler):
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if self.init_method is not None or attempt in (None, "", "0"):
             return None
-        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=self.timeout))
-        return dist.PrefixStore(f"kwplug/attempt_{attempt}", store)
+        from torch.distributed import PrefixStore, rendezvous  # type: ignore[attr-defined]
+
+        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=self.timeout))
+        return PrefixStore(f"kwplug/attempt_{attempt}", store)
 
     @hookimpl
     def init_process_group(self, device_type: str, world_size: int, rank: int) -> bool | None:
