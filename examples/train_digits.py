@@ -17,6 +17,10 @@ https://ui.perfetto.dev)::
     python -m torch.distributed.run --nproc-per-node 2 examples/train_digits.py \\
         --comm-hook bf16 --mixed-precision bf16 --profile-dir traces
 
+With ``--checkpoint-dir DIR`` the state is saved atomically after every epoch and a restarted
+run resumes from it, so ``torchrun --max-restarts 3 --rdzv-backend c10d
+--rdzv-endpoint 127.0.0.1:29500 ...`` survives a worker that dies.
+
 Every handler here is optional: without ``kwargs_handlers`` the Accelerator uses each handler's
 defaults. The ones passed show where the knobs are.
 
@@ -50,6 +54,7 @@ from kwplug import (
     InitProcessGroupKwargs,
     KwargsHandler,
     ProfileKwargs,
+    checkpoint,
 )
 
 COMM_HOOKS = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")
@@ -77,6 +82,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="profile the first training steps; each rank writes one Chrome trace here",
     )
     parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save the training state there after every epoch and resume from it on start "
+        "(e.g. after torchrun --max-restarts restarts a failed worker)",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
@@ -126,6 +137,19 @@ def flat_parameters(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
 
 
+class Progress:
+    """The number of finished epochs, saved with the checkpoint."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = state["epoch"]
+
+
 def make_accelerator(args: argparse.Namespace) -> Accelerator:
     handlers: list[KwargsHandler] = [
         # Gradients are all-reduced through the chosen communication hook (under torchrun).
@@ -156,6 +180,13 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> tuple[float, bo
         optimizer, T_max=args.epochs * len(train_loader)
     )
     loss_fn = nn.CrossEntropyLoss()
+    progress = Progress()
+    if args.checkpoint_dir is not None:
+        # Saved and restored with the model, optimizer, RNGs and data position.
+        accelerator.register_for_checkpointing(scheduler, progress)
+        if checkpoint.resolve_checkpoint(args.checkpoint_dir) is not None:
+            accelerator.load_state(args.checkpoint_dir)
+            accelerator.print(f"resumed from {args.checkpoint_dir} after epoch {progress.epoch}")
 
     profiling: Any = contextlib.nullcontext()
     if args.profile_dir is not None:
@@ -167,7 +198,7 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> tuple[float, bo
     accuracy = 0.0
     start = time.perf_counter()
     with profiling as prof:
-        for epoch in range(args.epochs):
+        for epoch in range(progress.epoch, args.epochs):
             total = torch.zeros((), device=accelerator.device)
             batches = 0
             # disable=None: tqdm hides itself when stderr is not a terminal.
@@ -195,6 +226,9 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> tuple[float, bo
             accelerator.print(
                 f"epoch {epoch + 1:>3}  train_loss={mean_loss:.4f}  test_accuracy={accuracy:.4f}"
             )
+            progress.epoch = epoch + 1
+            if args.checkpoint_dir is not None:
+                accelerator.save_state(args.checkpoint_dir)  # atomic: all or nothing
     accelerator.print(f"trained in {time.perf_counter() - start:.1f}s")
 
     identical = True

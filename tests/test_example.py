@@ -13,9 +13,6 @@ import pytest
 import torch.distributed as dist
 from torchrun import torchrun
 
-pytest.importorskip("sklearn")
-pytest.importorskip("tqdm")
-
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
 MIN_ACCURACY = 0.95
 RESULT_LINE = re.compile(r"^(\w+)=(\S+)$")
@@ -92,3 +89,18 @@ def test_two_processes_bf16_comm_hook_profiled(tmp_path: Path) -> None:
         mine = [name for name in traces if name.startswith(f"trace_rank{rank}_")]
         assert len(mine) == 1, traces
         assert (trace_dir / mine[0]).stat().st_size > 0
+
+
+def test_checkpoint_dir_resumes_after_the_last_epoch(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, str(EXAMPLE), "--no-progress", "--checkpoint-dir", str(ckpt)]
+    first = subprocess.run(
+        [*cmd, "--epochs", "2"], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert "resumed" not in first.stdout
+    second = subprocess.run(
+        [*cmd, "--epochs", "3"], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert f"resumed from {ckpt} after epoch 2" in second.stdout
+    epochs = [line.split()[1] for line in second.stdout.splitlines() if line.startswith("epoch")]
+    assert epochs == ["3"]  # only the missing epoch is trained
