@@ -112,3 +112,57 @@ def test_register_for_checkpointing_needs_state_dict() -> None:
         assert "state_dict" in str(exc)
     else:
         raise AssertionError("no TypeError")
+
+
+def test_two_nodes_with_torchruns_own_rendezvous(tmp_path: Path) -> None:
+    """Two torchrun agents as two "nodes" on this machine (c10d rendezvous, one process each)
+    train the digits example to identical weights."""
+    import os
+    import subprocess
+    import sys
+
+    from torchrun import free_port
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(name, None)
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={node}",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=kwplug-test",
+                str(example),
+                "--epochs",
+                "3",
+                "--no-progress",
+                "--comm-hook",
+                "fp16",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for node in (0, 1)
+    ]
+    outputs = []
+    try:
+        for agent in agents:
+            out, err = agent.communicate(timeout=240)
+            assert agent.returncode == 0, out + err
+            outputs.append(out)
+    finally:
+        for agent in agents:
+            agent.kill()
+    combined = "".join(outputs)
+    assert "2 process(es) on cpu" in combined
+    assert "ranks_identical=True" in combined
