@@ -38,40 +38,55 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def launch(quick: bool, with_accelerate: bool, timeout: float = 900.0) -> dict[str, Any]:
-    """Run the worker under torchrun; rank 0's JSON result."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "ddp.json")
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}",
-            "-m",
-            "benchmarks.ddp_worker",
-            "--out",
-            out,
-            *(["--quick"] if quick else []),
-            *([] if with_accelerate else ["--no-accelerate"]),
-        ]
-        proc = subprocess.run(
-            cmd,
-            cwd=ROOT,
-            env=child_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(
+#: Messages of a failed rendezvous (e.g. another job took the free port first): worth a retry.
+TRANSIENT = ("EADDRINUSE", "Address already in use", "DistNetworkError", "TCPStore")
+
+
+def launch(
+    quick: bool, with_accelerate: bool, timeout: float = 900.0, attempts: int = 3
+) -> dict[str, Any]:
+    """Run the worker under torchrun; rank 0's JSON result.
+
+    A launch that fails at rendezvous (a port taken between choosing and binding it, on a
+    machine running other jobs) is retried on a new port, up to ``attempts`` times.
+    """
+    failures: list[str] = []
+    for _ in range(attempts):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "ddp.json")
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node=2",
+                "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}",
+                "-m",
+                "benchmarks.ddp_worker",
+                "--out",
+                out,
+                *(["--quick"] if quick else []),
+                *([] if with_accelerate else ["--no-accelerate"]),
+            ]
+            proc = subprocess.run(
+                cmd,
+                cwd=ROOT,
+                env=child_env(),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+            if proc.returncode == 0 and os.path.exists(out):
+                with open(out, encoding="utf-8") as handle:
+                    return json.load(handle)  # type: ignore[no-any-return]
+            failures.append(
                 f"DDP worker failed ({proc.returncode}): {' '.join(cmd)}\n"
                 f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
             )
-        with open(out, encoding="utf-8") as handle:
-            return json.load(handle)  # type: ignore[no-any-return]
+            if not any(marker in proc.stderr for marker in TRANSIENT):
+                break
+    raise RuntimeError("\n\n".join(failures))
 
 
 def run(quick: bool, with_accelerate: bool) -> Result:
