@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -44,6 +44,13 @@ _WRAPPERS = (
 )
 _WRAPPER_VALUES = tuple(member.value for member in _WRAPPERS)
 _POWER_SGD_HOOKS = (DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD)
+
+
+def _is_layout_dependent(hook: Any) -> bool:
+    try:
+        return hook in ddp_comm_hooks.LAYOUT_DEPENDENT_HOOKS
+    except TypeError:  # an unhashable callable object
+        return False
 
 
 def _quoted(values: tuple[str, ...]) -> str:
@@ -136,7 +143,12 @@ class DistributedDataParallelKwargs(KwargsHandler):
             :func:`kwplug.register_comm_hook` or contributed by a plugin's ``comm_hooks`` hook,
             looked up when the model is wrapped; or a callable ``hook(state, bucket) ->
             torch.futures.Future[torch.Tensor]``, registered with ``state=None`` (the default
-            process group).
+            process group). The PowerSGD hooks (those in
+            ``ddp_comm_hooks.LAYOUT_DEPENDENT_HOOKS``), with their wrapper, are registered
+            through :func:`kwplug.plugins.ddp_comm_hooks.canonical_bucket_hook` so that their
+            state does not depend on DDP's bucket layout (exact resume from a checkpoint); this
+            costs one gather and one scatter copy of each bucket per step once DDP has rebuilt
+            its buckets.
         comm_wrapper: ``DDPCommunicationHookType.NO`` (default), ``FP16`` or ``BF16`` (or
             ``"no"``/``"fp16"``/``"bf16"``): run the hook on a float16/bfloat16 copy of each
             bucket (:func:`kwplug.plugins.ddp_comm_hooks.fp16_compress_wrapper`). With
@@ -204,9 +216,16 @@ class DistributedDataParallelKwargs(KwargsHandler):
                 "or register the hook with kwplug.register_comm_hook(name, hook, make_state=...)"
             )
 
-    def _hook_and_state(self, comm_hooks: Mapping[str, CommHook]) -> tuple[HookFn | None, Any]:
+    def _hook_and_state(
+        self, comm_hooks: Mapping[str, CommHook], parameters: Iterable[torch.Tensor] = ()
+    ) -> tuple[HookFn | None, Any]:
         """The hook to register (already wrapped and made acceptable to DDP) and its state;
-        ``(None, None)`` for DDP's own all-reduce."""
+        ``(None, None)`` for DDP's own all-reduce.
+
+        A hook in :data:`~kwplug.plugins.ddp_comm_hooks.LAYOUT_DEPENDENT_HOOKS` (PowerSGD) is
+        run, wrapper included, through
+        :func:`~kwplug.plugins.ddp_comm_hooks.canonical_bucket_hook` with ``parameters`` (the
+        model's, in order) as the canonical order."""
         self._check_state_for_hook()
         hook_option = self.comm_hook
         state: Any = None
@@ -234,8 +253,14 @@ class DistributedDataParallelKwargs(KwargsHandler):
             hook = record.hook
         else:
             hook = hook_option
+        layout_dependent = _is_layout_dependent(hook)
         if self.comm_wrapper != DDPCommunicationHookType.NO:
             hook = ddp_comm_hooks.COMPRESSION_WRAPPERS[self.comm_wrapper.value](hook)
+        if layout_dependent:
+            # Outermost, so that the wrapper's low-precision copy is canonical as well.
+            hook = ddp_comm_hooks.canonical_bucket_hook(
+                hook, parameters, state_buckets=ddp_comm_hooks.power_sgd_state_buckets
+            )
         return ddp_comm_hooks.ddp_compatible_hook(hook), state
 
     @hookimpl
@@ -258,7 +283,9 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
         Returns:
             The DDP module with the communication hook registered
-            (``DistributedDataParallel.register_comm_hook(state, hook)``), or ``None``.
+            (``DistributedDataParallel.register_comm_hook(state, hook)``; a PowerSGD hook
+            behind :func:`~kwplug.plugins.ddp_comm_hooks.canonical_bucket_hook`, with
+            ``model.parameters()`` as the canonical order), or ``None``.
 
         Raises:
             ValueError: unknown ``comm_hook`` name (lists the known names); ``comm_state_option``
@@ -268,7 +295,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
         """
         if world_size <= 1:
             return None
-        hook, state = self._hook_and_state(comm_hooks)
+        hook, state = self._hook_and_state(comm_hooks, list(model.parameters()))
         device_ids = [device.index] if device.type != "cpu" and device.index is not None else None
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=device_ids, **self.to_kwargs()

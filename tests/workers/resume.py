@@ -1,7 +1,8 @@
 """Worker for tests/test_checkpoint.py: train, save, resume, and write final parameters.
 
 Usage: resume.py OUT --steps N [--save-at K --ckpt DIR] [--resume DIR --start-step K]
-                 [--mixed-precision fp16] [--comm-hook power_sgd] [--crash-in-save]
+                 [--mixed-precision fp16] [--comm-hook power_sgd] [--comm-wrapper fp16]
+                 [--gradient-as-bucket-view] [--crash-in-save]
 Runs single-process or under torchrun.
 """
 
@@ -29,6 +30,8 @@ def main() -> None:
     parser.add_argument("--start-step", type=int, default=0)
     parser.add_argument("--mixed-precision", default="no")
     parser.add_argument("--comm-hook", default="no")
+    parser.add_argument("--comm-wrapper", default="no")
+    parser.add_argument("--gradient-as-bucket-view", action="store_true")
     parser.add_argument("--crash-in-save", action="store_true")
     args = parser.parse_args()
 
@@ -39,6 +42,8 @@ def main() -> None:
     ddp = DistributedDataParallelKwargs(
         comm_hook=args.comm_hook,
         comm_state_option=options if "power_sgd" in args.comm_hook else {},
+        comm_wrapper=args.comm_wrapper,
+        gradient_as_bucket_view=args.gradient_as_bucket_view,
     )
     accelerator = kwplug.Accelerator(
         mixed_precision=args.mixed_precision, cpu=True, kwargs_handlers=[ddp]
