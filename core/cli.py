@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -89,7 +90,80 @@ def environment() -> dict[str, Any]:
     }
 
 
+def _describe_answer(result: Any) -> Any:
+    """What a hook's answer would hand to torch, as plain data."""
+    if isinstance(result, functools.partial):
+        target = getattr(result.func, "__qualname__", repr(result.func))
+        module = getattr(result.func, "__module__", "")
+        return {
+            "call": f"{module}.{target}".lstrip("."),
+            "args": [repr(a) for a in result.args],
+            "kwargs": {k: repr(v) for k, v in result.keywords.items()},
+        }
+    if hasattr(result, "state_dict") and hasattr(result, "get_scale"):  # a GradScaler
+        return {
+            "call": f"{type(result).__module__}.{type(result).__qualname__}",
+            **{k: repr(v) for k, v in result.state_dict().items()},
+        }
+    return repr(result)
+
+
+def explain(device_type: str, mixed_precision: str) -> dict[str, Any]:
+    """For each hook: the plugins implementing it in call order, and for the side-effect-free
+    hooks (``autocast``, ``make_scaler``) who answers and what would reach torch. The hooks
+    that act (``init_process_group``, ``wrap_model``, ``make_profiler``) are not called; the
+    answering handler's resolved fields are shown instead."""
+    from kwplug.dispatch import call_first
+    from kwplug.registry import build_plugin_manager
+
+    pm, descriptions, _ = build_plugin_manager([], discover())
+    report: dict[str, Any] = {}
+    for hook_name in (
+        "init_process_group",
+        "autocast",
+        "make_scaler",
+        "wrap_model",
+        "make_profiler",
+        "comm_hooks",
+    ):
+        impls = list(reversed(getattr(pm.hook, hook_name).get_hookimpls()))
+        entry: dict[str, Any] = {
+            "order": [descriptions.get(i.plugin_name, i.plugin_name) for i in impls]
+        }
+        if hook_name in ("autocast", "make_scaler"):
+            answer = call_first(
+                pm, hook_name, {"device_type": device_type, "mixed_precision": mixed_precision}
+            )
+            entry["answered_by"] = descriptions.get(answer.plugin or "", answer.plugin)
+            entry["reaches_torch"] = _describe_answer(answer.result)
+        elif impls:
+            plugin = impls[0].plugin
+            entry["first"] = entry["order"][0]
+            to_dict = getattr(plugin, "to_dict", None)
+            if callable(to_dict):
+                entry["fields"] = {k: repr(v) for k, v in to_dict().items()}
+            resolve = getattr(plugin, "resolved_backend", None)
+            if callable(resolve):  # the backend the default "nccl" becomes on this device
+                entry["fields"]["backend"] = repr(resolve(device_type))
+        report[hook_name] = entry
+    return report
+
+
 def _cmd_plugins(args: argparse.Namespace) -> int:
+    if args.explain:
+        report = explain(args.device, args.mixed_precision)
+        if args.json:
+            print(json.dumps(report, indent=2))
+            return 0
+        print(f"device_type={args.device}  mixed_precision={args.mixed_precision}")
+        for hook_name, entry in report.items():
+            print(f"\n{hook_name}")
+            for position, name in enumerate(entry["order"], 1):
+                print(f"  {position}. {name}")
+            for key in ("answered_by", "reaches_torch", "fields"):
+                if key in entry:
+                    print(f"  {key}: {json.dumps(entry[key])}")
+        return 0
     rows = plugin_rows(discover())
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0
@@ -124,6 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
         "DISTRIBUTION shown are what KWPLUG_PLUGINS and KWPLUG_BLOCK_PLUGINS accept.",
     )
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plugins.add_argument(
+        "--explain",
+        action="store_true",
+        help="show, for each hook, the plugins in call order and what would reach torch",
+    )
+    plugins.add_argument(
+        "--mixed-precision",
+        choices=("no", "fp16", "bf16"),
+        default="no",
+        help="the Accelerator setting to explain (default: no)",
+    )
+    plugins.add_argument(
+        "--device", default="cpu", help="device type to explain, e.g. cpu, cuda (default: cpu)"
+    )
     plugins.set_defaults(func=_cmd_plugins)
     env = sub.add_parser("env", help="versions, devices, backends and plugins, for bug reports")
     env.add_argument("--json", action="store_true", help="print JSON instead of text")

@@ -18,9 +18,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import types
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import importlib_metadata
@@ -93,9 +94,41 @@ class PluginRecord:
         return f"{self.name!r} ({self.distribution} {self.version})"
 
 
+_NO_OPTS: Any = object()
+
+
+class KwplugPluginManager(pluggy.PluginManager):
+    """``pluggy.PluginManager`` that remembers, per handler class, which attributes are hook
+    implementations.
+
+    pluggy inspects every attribute of a plugin at each ``register`` (``inspect.getattr_static``
+    over the ~50 attributes of an attrs class); an Accelerator registers a handler of each class,
+    so the answer is cached per class. Attributes set on an instance (not the class) are not
+    cached.
+    """
+
+    _opts_cache: dict[tuple[Any, str], Any] = {}  # noqa: RUF012 - shared on purpose
+
+    def parse_hookimpl_opts(self, plugin: Any, name: str) -> pluggy.HookimplOpts | None:
+        """pluggy's answer, cached per (class, attribute) for instances and per (module,
+        attribute) for modules."""
+        key: tuple[Any, str]
+        if isinstance(plugin, types.ModuleType):
+            key = (plugin, name)  # a module plugin: its functions are fixed once imported
+        elif isinstance(plugin, type) or name in getattr(plugin, "__dict__", ()):
+            return super().parse_hookimpl_opts(plugin, name)
+        else:
+            key = (type(plugin), name)
+        opts = self._opts_cache.get(key, _NO_OPTS)
+        if opts is _NO_OPTS:
+            opts = super().parse_hookimpl_opts(plugin, name)
+            self._opts_cache[key] = opts
+        return None if opts is None else cast(pluggy.HookimplOpts, dict(opts))
+
+
 def new_plugin_manager() -> pluggy.PluginManager:
-    """Return a ``pluggy.PluginManager`` for project ``kwplug`` with the hook specs added."""
-    pm = pluggy.PluginManager(PROJECT_NAME)
+    """Return a :class:`KwplugPluginManager` for project ``kwplug`` with the hook specs added."""
+    pm = KwplugPluginManager(PROJECT_NAME)
     pm.add_hookspecs(HandlerSpec)
     return pm
 
@@ -210,7 +243,14 @@ def discover(*, refresh: bool = False) -> tuple[PluginRecord, ...]:
     if refresh:
         _entry_points.cache_clear()
         _load_cached.cache_clear()
-    controls = LoadControls.from_env()
+        _discover.cache_clear()
+    return _discover(LoadControls.from_env())
+
+
+@functools.cache
+def _discover(controls: LoadControls) -> tuple[PluginRecord, ...]:
+    # Cached per set of controls: reading distribution metadata is the costly part, and the
+    # environment variables may change between calls (tests, notebooks).
     records = []
     for ep in _entry_points():
         distribution, version = _dist(ep)
@@ -224,6 +264,7 @@ def discover(*, refresh: bool = False) -> tuple[PluginRecord, ...]:
     if controls.strict:
         failed = [r for r in records if r.status == "failed"]
         if failed:
+            _discover.cache_clear()  # raise again next time
             raise PluginLoadError(
                 "KWPLUG_STRICT_PLUGINS is set and handler plugin(s) failed to load: "
                 + "; ".join(f"{r.describe()}: {r.error}" for r in failed)

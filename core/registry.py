@@ -101,12 +101,17 @@ def build_plugin_manager(
     descriptions: dict[str, str] = {}
     defaults: list[tuple[str, Any]] = []
     third_party: set[str] = set()
+    seen: set[type] = set()
     for record in loaded(records):
         cls = record.handler_class
         if cls is not None and (
-            not cls.register_default or any(isinstance(h, cls) for h in handlers)
+            not cls.register_default
+            or cls in seen  # two entry points naming one class: the first in order wins
+            or any(isinstance(h, cls) for h in handlers)
         ):
             continue
+        if cls is not None:
+            seen.add(cls)
         name = default_plugin_name(record)
         descriptions[name] = f"default plugin {record.describe()}"
         if not record.builtin:

@@ -39,9 +39,13 @@ def test_order_does_not_depend_on_entry_point_order(monkeypatch: pytest.MonkeyPa
         fake("kwplug", "ddp"),
     ]
     orders = []
-    for arrangement in (eps, eps[::-1], eps[2:] + eps[:2]):
-        monkeypatch.setattr(discovery, "_entry_points", lambda a=tuple(arrangement): a)
-        orders.append([(r.distribution, r.name) for r in discovery.discover()])
+    try:
+        for arrangement in (eps, eps[::-1], eps[2:] + eps[:2]):
+            monkeypatch.setattr(discovery, "_entry_points", lambda a=tuple(arrangement): a)
+            discovery._discover.cache_clear()
+            orders.append([(r.distribution, r.name) for r in discovery.discover()])
+    finally:
+        discovery._discover.cache_clear()  # forget the fake entry points
     assert (
         orders[0]
         == orders[1]

@@ -232,3 +232,18 @@ def test_cli_plugins_lists_every_plugin_with_status(site: Path) -> None:
     assert "kwplug-halfcast" in table
     env = cli(site, "env").stdout
     assert "torch" in env and "gloo=yes" in env and "halfcast" in env
+
+
+def test_cli_explain_shows_order_and_what_reaches_torch(site: Path) -> None:
+    report = json.loads(
+        cli(site, "plugins", "--explain", "--mixed-precision", "bf16", "--json").stdout
+    )
+    autocast = report["autocast"]
+    assert autocast["order"][0] == "default plugin 'halfcast' (kwplug-halfcast 1.2.3)"
+    assert autocast["order"][-1] == "default plugin 'autocast' (kwplug 0.1.0)"
+    assert autocast["answered_by"].startswith("default plugin 'halfcast'")
+    assert autocast["reaches_torch"]["kwargs"]["dtype"] == "torch.float16"
+    assert report["make_scaler"]["reaches_torch"] == "None"  # no scaler without fp16
+    assert report["init_process_group"]["fields"]["backend"] == "'gloo'"  # resolved on cpu
+    text = cli(site, "plugins", "--explain", "--mixed-precision", "fp16").stdout
+    assert "answered_by" in text and "GradScaler" in text
