@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import gc
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -236,6 +238,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         with open(args.out, "w", encoding="utf-8") as handle:
             json.dump(out, handle, indent=2)
     dist.barrier()
+    # Collect the DDP modules and hook states (torch's PowerSGD callbacks hold the group)
+    # before the group goes: one collected later, on a gloo thread, can abort the process.
+    gc.collect()
+    time.sleep(0.05)
     dist.destroy_process_group()
 
 
