@@ -3,6 +3,7 @@ TypeError/ValueError naming the field -- never another exception, never a later 
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from datetime import timedelta
@@ -13,7 +14,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kwplug import AutocastKwargs, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs
+from kwplug import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
+)
+from kwplug.plugins.ddp_comm_hooks import builtin_comm_hooks
 
 EXAMPLES = 500
 
@@ -23,7 +31,23 @@ anything = st.recursive(
     | st.integers(-(2**40), 2**40)
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=12)
-    | st.sampled_from(["nccl", "gloo", "cpu", "cuda", "xpu", "env://", "no", "fp16", "bf16"])
+    | st.sampled_from(
+        [
+            "nccl",
+            "gloo",
+            "cpu",
+            "cuda",
+            "xpu",
+            "env://",
+            "no",
+            "fp16",
+            "bf16",
+            "power_sgd",
+            "batched_power_sgd",
+            "matrix_approximation_rank",
+            "start_powerSGD_iter",
+        ]
+    )
     | st.builds(timedelta, seconds=st.floats(-1e6, 1e6)),
     lambda inner: (
         st.lists(inner, max_size=4)
@@ -109,3 +133,20 @@ def test_fuzz_profile(kwargs: dict[str, Any]) -> None:
     if handler is not None:
         profiler = handler.build("cpu", rank=0)
         assert isinstance(profiler, torch.profiler.profile)
+
+
+@FUZZ
+@given(field_values(DistributedDataParallelKwargs))
+def test_fuzz_ddp(kwargs: dict[str, Any]) -> None:
+    handler = construct(DistributedDataParallelKwargs, kwargs)
+    if handler is not None:
+        # What reaches torch binds to DistributedDataParallel's signature...
+        inspect.signature(torch.nn.parallel.DistributedDataParallel).bind(
+            torch.nn.Linear(1, 1), **handler.to_kwargs()
+        )
+        # ...and the hook resolves (unknown names and bad state options fail here, before
+        # DDP is built, with a ValueError naming the field).
+        try:
+            handler._hook_and_state(builtin_comm_hooks())
+        except ValueError as exc:
+            assert "comm_hook" in str(exc) or "comm_state_option" in str(exc)

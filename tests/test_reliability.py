@@ -59,6 +59,31 @@ def test_peer_death_without_restart_fails_fast(tmp_path: Path) -> None:
     assert "local_rank: 1" in run.stderr and "Signal 9 (SIGKILL)" in run.stderr
 
 
+def test_exception_in_user_code_ends_the_group_naming_the_rank(tmp_path: Path) -> None:
+    start = time.monotonic()
+    run = torchrun(
+        WORKERS / "elastic.py",
+        str(tmp_path / "x.pt"),
+        str(tmp_path / "c"),
+        "--steps",
+        "30",
+        "--every",
+        "100",
+        "--raise-rank",
+        "1",
+        "--kill-at",
+        "3",
+        "--timeout",
+        "20",
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode != 0
+    assert time.monotonic() - start < 60  # rank 0 is not left waiting in a collective
+    assert "user code failed on rank 1" in run.stderr
+    assert "rank      : 1 (local_rank: 1)" in run.stderr  # torchrun's failure summary
+
+
 UNREACHABLE = """
 import time, kwplug
 from kwplug import InitProcessGroupKwargs

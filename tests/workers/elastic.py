@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--comm-hook", default="no")
+    parser.add_argument("--raise-rank", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
 
@@ -77,6 +78,8 @@ def main() -> None:
                 and counter.step == args.kill_at
             ):
                 os.kill(os.getpid(), signal.SIGKILL)  # the injected fault
+            if accelerator.process_index == args.raise_rank and counter.step == args.kill_at:
+                raise RuntimeError(f"user code failed on rank {accelerator.process_index}")
             loss = torch.nn.functional.mse_loss(model(x), y)
             accelerator.backward(loss)
             optimizer.step()
