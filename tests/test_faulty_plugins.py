@@ -3,14 +3,11 @@ name, distribution and version with its cause, and the rest keep working."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from plugin_site import pip_install, run_json
 
 HEADER = "import attrs, torch, kwplug\n"
 FAULTY = {
@@ -117,36 +114,12 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (src / "pyproject.toml").write_text(PYPROJECT.format(ep=ep, n=n, attr=attr))
         (src / f"kwplug_{ep}.py").write_text(source)
         sources.append(str(src))
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(root / "site"),
-            *sources,
-        ],
-        check=True,
-        timeout=300,
-    )
+    pip_install([Path(x) for x in sources], root / "site")
     return root / "site"
 
 
 def probe(site: Path, allow: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(site), "KWPLUG_PLUGINS": allow}
-    run = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=True,
-    )
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_json(PROBE, site, KWPLUG_PLUGINS=allow)  # type: ignore[no-any-return]
 
 
 def test_load_time_failures_are_skipped_and_reported(site: Path) -> None:

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from plugin_site import pip_install, run_json
 
 PLUGIN_MODULE = '''
 import functools
@@ -89,39 +90,12 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         root, "kwplug-halfcast", "halfcast", "kwplug_halfcast", ":HalfAutocastKwargs", PLUGIN_MODULE
     )
     broken = build_dist(root, "kwplug-broken", "broken", "kwplug_broken", "", BROKEN_MODULE)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(target),
-            str(good),
-            str(broken),
-        ],
-        check=True,
-        timeout=240,
-    )
+    pip_install([good, broken], target)
     return target
 
 
 def probe(site: Path, **env: str) -> dict:
-    full_env = {**os.environ, "PYTHONPATH": str(site), **env}
-    full_env.pop("KWPLUG_DISABLE_PLUGIN_AUTOLOAD", None)
-    full_env.update(env)
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=120,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json(PROBE, site, **env)  # type: ignore[no-any-return]
 
 
 def test_installed_plugin_drives_autocast_and_broken_one_is_reported(site: Path) -> None:

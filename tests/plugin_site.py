@@ -1,0 +1,48 @@
+"""Helpers for tests that pip-install real plugin distributions into a private site folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def pip_install(sources: Sequence[Path], target: Path) -> Path:
+    """``pip install --target`` the given project folders (no deps, no build isolation)."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            *map(str, sources),
+        ],
+        check=True,
+        timeout=300,
+    )
+    return target
+
+
+def run_json(code: str, site: Path, **env: str) -> Any:
+    """Run ``python -c code`` with ``site`` on the path; the JSON on its last output line."""
+    full_env = {**os.environ, "PYTHONPATH": str(site)}
+    full_env.pop("KWPLUG_DISABLE_PLUGIN_AUTOLOAD", None)
+    full_env.update(env)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
