@@ -6,6 +6,7 @@ import contextlib
 import gc
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -509,6 +510,10 @@ class Accelerator:
         self._custom_objects.clear()
         gc.collect()
         if dist.is_available() and dist.is_initialized():
+            # gloo's worker threads release a collective's tensors just after it returns;
+            # a short pause without the GIL lets them finish before the group goes (an exit in
+            # that instant can abort with "terminate called without an active exception").
+            time.sleep(0.05)
             dist.destroy_process_group()
 
     # -- internals ---------------------------------------------------------------------------
