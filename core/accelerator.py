@@ -426,6 +426,7 @@ class Accelerator:
                 checkpoint.atomic_save(obj.state_dict(), staging / f"custom_{i}.pt")
         per_rank = {
             "world_size": self.num_processes,
+            "handlers": self._collect_handler_state(),
             "rng": checkpoint.rng_state(self.device),
             "dataloaders": [_loader_state(dl) for dl in self._dataloaders],
             "comm_hooks": [
@@ -492,9 +493,24 @@ class Accelerator:
         for model, saved in zip(self._models, per_rank["comm_hooks"], strict=False):
             for (_, state), snapshot in zip(_comm_hook_states(model), saved, strict=False):
                 checkpoint.load_hook_state(state, snapshot)
+        self._restore_handler_state(per_rank.get("handlers", {}))
         checkpoint.set_rng_state(per_rank["rng"], self.device)
         self.wait_for_everyone()
         return directory
+
+    def _collect_handler_state(self) -> dict[str, Any]:
+        # By registered plugin name, so that each plugin gets its own state back.
+        saved: dict[str, Any] = {}
+        for impl in self.plugin_manager.hook.handler_state.get_hookimpls():
+            state = impl.function()
+            if state is not None:
+                saved[impl.plugin_name] = state
+        return saved
+
+    def _restore_handler_state(self, saved: Mapping[str, Any]) -> None:
+        for impl in self.plugin_manager.hook.load_handler_state.get_hookimpls():
+            if impl.plugin_name in saved:
+                impl.function(saved[impl.plugin_name])
 
     def end_training(self) -> None:
         """Destroy the default process group (``torch.distributed.destroy_process_group``).

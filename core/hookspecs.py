@@ -137,3 +137,26 @@ class HandlerSpec:
         Called by: ``Accelerator.__init__`` once; the merged mapping is passed to
         :meth:`wrap_model`. ``firstresult``: no (every plugin's answer is collected).
         """
+
+    @hookspec
+    def handler_state(self) -> Mapping[str, Any] | None:
+        """Contribute state to checkpoints written by ``Accelerator.save_state``.
+
+        :returns: a picklable mapping (saved with ``torch.save`` on each rank), or ``None``
+            when there is nothing to save.
+
+        Called by: ``Accelerator.save_state`` on every rank; the answers are stored by the
+        plugin's registered name and given back to the same plugin by
+        :meth:`load_handler_state`. ``firstresult``: no (every plugin's answer is collected).
+        """
+
+    @hookspec
+    def load_handler_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`handler_state` saved.
+
+        :param state: the mapping this plugin returned from ``handler_state`` when the
+            checkpoint was written (plugins that saved nothing are not called).
+
+        Called by: ``Accelerator.load_state`` on every rank, once per plugin with saved state,
+        after the models and optimizers are restored. ``firstresult``: no.
+        """

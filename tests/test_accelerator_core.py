@@ -46,12 +46,15 @@ def test_hookspecs_are_documented_and_firstresult() -> None:
         "init_process_group",
         "make_profiler",
         "comm_hooks",
+        "handler_state",
+        "load_handler_state",
     }
     for name in specs:
         fn = getattr(HandlerSpec, name)
         assert fn.__doc__ and "Called by" in fn.__doc__, name
         opts = fn.kwplug_spec
-        assert opts["firstresult"] is (name != "comm_hooks"), name
+        collected = ("comm_hooks", "handler_state", "load_handler_state")
+        assert opts["firstresult"] is (name not in collected), name
 
 
 def test_user_handler_answers_before_builtin_default() -> None:

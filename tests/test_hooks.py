@@ -119,3 +119,33 @@ def test_hook_comm_hooks() -> None:
     accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[Hooks()])
     assert accelerator.comm_hooks["noop"].hook is noop
     assert "kwargs_handlers[0]" in accelerator.comm_hooks["noop"].source
+
+
+@attrs.define
+class Counting(KwargsHandler):
+    """A handler with state of its own, saved in checkpoints."""
+
+    seen: int = 0
+
+    @hookimpl
+    def handler_state(self) -> Any:
+        return {"seen": self.seen}
+
+    @hookimpl
+    def load_handler_state(self, state: Any) -> None:
+        self.seen = state["seen"]
+
+
+def test_hook_handler_state(tmp_path: Any) -> None:
+    handler = Counting(seen=7)
+    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
+    accelerator.save_state(tmp_path / "ckpt")
+    saved = torch.load(tmp_path / "ckpt" / "rank_0.pt", weights_only=False)
+    assert saved["handlers"] == {"user[0]:test_hooks.Counting": {"seen": 7}}
+
+
+def test_hook_load_handler_state(tmp_path: Any) -> None:
+    kwplug.Accelerator(cpu=True, kwargs_handlers=[Counting(seen=3)]).save_state(tmp_path / "c")
+    fresh = Counting()
+    kwplug.Accelerator(cpu=True, kwargs_handlers=[fresh]).load_state(tmp_path / "c")
+    assert fresh.seen == 3
