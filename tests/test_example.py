@@ -36,6 +36,9 @@ def last_line(stdout: str) -> str:
 @pytest.mark.parametrize("mixed_precision", ["bf16", "fp16"])
 def test_single_process(mixed_precision: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # One intra-op thread: the model is tiny, and on a busy 2-core runner two OpenMP threads
+    # make training ~10x slower (same result).
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
         [
             sys.executable,
