@@ -408,6 +408,8 @@ class Accelerator:
         Returns:
             The checkpoint directory.
         """
+        if not os.fspath(output_dir):
+            raise ValueError("save_state needs a checkpoint directory, got an empty path")
         directory = Path(output_dir).absolute()
         if self.is_main_process:
             checkpoint.prepare_staging(directory)
@@ -456,6 +458,8 @@ class Accelerator:
             ValueError: the checkpoint was saved with a different number of processes or
                 different prepared objects.
         """
+        if not os.fspath(input_dir):
+            raise ValueError("load_state needs a checkpoint directory, got an empty path")
         directory = checkpoint.resolve_checkpoint(input_dir)
         if directory is None:
             raise FileNotFoundError(

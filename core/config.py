@@ -77,6 +77,13 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str,
             f"{', '.join((*ACCELERATOR_KEYS, 'handlers'))}"
         )
     kwargs: dict[str, Any] = {k: data[k] for k in ACCELERATOR_KEYS if k in data}
+    if "cpu" in kwargs and not isinstance(kwargs["cpu"], bool):
+        raise ConfigError(f"{where}: 'cpu' must be true or false, got {kwargs['cpu']!r}")
+    if kwargs.get("mixed_precision", "no") not in ("no", "fp16", "bf16"):
+        raise ConfigError(
+            f"{where}: 'mixed_precision' must be one of 'no', 'fp16', 'bf16', "
+            f"got {kwargs['mixed_precision']!r}"
+        )
     tables = data.get("handlers", {})
     if not isinstance(tables, Mapping):
         raise ConfigError(f"{where}: 'handlers' must be a table of [handlers.<name>] tables")

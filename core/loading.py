@@ -16,6 +16,7 @@ An unknown name is a :class:`PluginLoadWarning` listing the known names.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Iterable, Mapping
 
@@ -41,15 +42,23 @@ def _flag(environ: Mapping[str, str], name: str) -> bool:
     return environ.get(name, "").strip().lower() in _TRUE
 
 
+def canonical(name: str) -> str:
+    """A name as controls compare it: distribution names the way pip normalises them
+    (PEP 503: case-insensitive, runs of ``-``, ``_``, ``.`` are equal)."""
+    dist, sep, entry_point = name.partition(":")
+    dist = re.sub(r"[-_.]+", "-", dist).lower()
+    return f"{dist}{sep}{entry_point}" if sep else dist
+
+
 def _names(raw: str | None) -> frozenset[str] | None:
     if raw is None:
         return None
-    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+    return frozenset(canonical(part.strip()) for part in raw.split(",") if part.strip())
 
 
 def plugin_names(name: str, distribution: str) -> frozenset[str]:
-    """Every name a control may use for a plugin."""
-    return frozenset({name, distribution, f"{distribution}:{name}"})
+    """Every name a control may use for a plugin (normalised with :func:`canonical`)."""
+    return frozenset(canonical(n) for n in (name, distribution, f"{distribution}:{name}"))
 
 
 @attrs.frozen

@@ -216,6 +216,28 @@ class DistributedDataParallelKwargs(KwargsHandler):
                 "or register the hook with kwplug.register_comm_hook(name, hook, make_state=...)"
             )
 
+    def _record(self, comm_hooks: Mapping[str, CommHook]) -> CommHook:
+        """The named hook ``comm_hook`` selects.
+
+        Raises:
+            ValueError: no hook has that name (the message lists the known names).
+        """
+        name = str(self.comm_hook)
+        record = comm_hooks.get(name)
+        if record is None and isinstance(self.comm_hook, DDPCommunicationHookType):
+            # The built-ins come from the ddp_comm_hooks plugin; should it be missing
+            # (not installed as an entry point), the enum still means kwplug's hooks.
+            record = ddp_comm_hooks.builtin_comm_hooks()[name]
+        if record is None:
+            known = sorted({"no", *comm_hooks, *ddp_comm_hooks.BUILTIN_HOOK_NAMES})
+            raise ValueError(
+                f"unknown communication hook {name!r} in DistributedDataParallelKwargs."
+                f"comm_hook; known hooks: {_quoted(tuple(known))}. Register one with "
+                "kwplug.register_comm_hook(name, hook) or contribute it from a plugin's "
+                "comm_hooks hook"
+            )
+        return record
+
     def _hook_and_state(
         self, comm_hooks: Mapping[str, CommHook], parameters: Iterable[torch.Tensor] = ()
     ) -> tuple[HookFn | None, Any]:
@@ -235,20 +257,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
                 return None, None
             hook = ddp_comm_hooks.mean_allreduce_hook
         elif isinstance(hook_option, str):
-            name = str(hook_option)
-            record = comm_hooks.get(name)
-            if record is None and isinstance(hook_option, DDPCommunicationHookType):
-                # The built-ins come from the ddp_comm_hooks plugin; should it be missing
-                # (not installed as an entry point), the enum still means kwplug's hooks.
-                record = ddp_comm_hooks.builtin_comm_hooks()[name]
-            if record is None:
-                known = sorted({*comm_hooks, *ddp_comm_hooks.BUILTIN_HOOK_NAMES})
-                raise ValueError(
-                    f"unknown communication hook {name!r} in DistributedDataParallelKwargs."
-                    f"comm_hook; known hooks: {_quoted(tuple(known))}. Register one with "
-                    "kwplug.register_comm_hook(name, hook) or contribute it from a plugin's "
-                    "comm_hooks hook"
-                )
+            record = self._record(comm_hooks)
             state = record.build_state(None, self.comm_state_option)
             hook = record.hook
         else:
@@ -294,6 +303,9 @@ class DistributedDataParallelKwargs(KwargsHandler):
                 annotation).
         """
         if world_size <= 1:
+            # Not wrapped; but a misspelt hook name must not pass single-process runs.
+            if isinstance(self.comm_hook, str) and self.comm_hook != DDPCommunicationHookType.NO:
+                self._record(comm_hooks)
             return None
         hook, state = self._hook_and_state(comm_hooks, list(model.parameters()))
         device_ids = [device.index] if device.type != "cpu" and device.index is not None else None

@@ -320,14 +320,50 @@ def make_power_sgd_state(
     return PowerSGDState(process_group=process_group, **dict(options))
 
 
+#: Accepted values of PowerSGD's options: (kind, lower bound or None). ``"int"`` and
+#: ``"number"`` never accept a ``bool``.
+_POWER_SGD_VALUES: dict[str, tuple[str, float | None]] = {
+    "matrix_approximation_rank": ("int", 1),
+    "start_powerSGD_iter": ("int", 1),
+    "min_compression_rate": ("number", 0),
+    "use_error_feedback": ("bool", None),
+    "warm_start": ("bool", None),
+    "orthogonalization_epsilon": ("number", 0),
+    "random_seed": ("int", 0),
+    "compression_stats_logging_frequency": ("int", 1),
+    "batch_tensors_with_same_shape": ("bool", None),
+}
+
+
 def check_power_sgd_options(options: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` naming the accepted keys if ``options`` has an unknown key."""
+    """Check ``comm_state_option`` for the PowerSGD hooks before any training step.
+
+    Raises:
+        ValueError: an unknown key (the message lists the accepted ones), or a value out of
+            range (``matrix_approximation_rank``, ``start_powerSGD_iter`` and
+            ``compression_stats_logging_frequency`` >= 1; ``min_compression_rate``,
+            ``orthogonalization_epsilon`` and ``random_seed`` >= 0) -- a rank of 0 would
+            silently zero every gradient.
+        TypeError: a value of the wrong type (ints, numbers and bools as above).
+    """
     unknown = sorted(set(options) - set(POWER_SGD_OPTIONS))
     if unknown:
         raise ValueError(
             f"unknown PowerSGD option(s) {', '.join(map(repr, unknown))} in comm_state_option; "
             f"PowerSGDState accepts: {', '.join(POWER_SGD_OPTIONS)}"
         )
+    for key, value in options.items():
+        kind, low = _POWER_SGD_VALUES.get(key, ("any", None))
+        place = f"comm_state_option[{key!r}]"
+        if kind == "bool" and not isinstance(value, bool):
+            raise TypeError(f"{place} must be True or False, got {value!r}")
+        if kind in ("int", "number"):
+            types = (int,) if kind == "int" else (int, float)
+            if isinstance(value, bool) or not isinstance(value, types):
+                wanted = "an int" if kind == "int" else "a number"
+                raise TypeError(f"{place} must be {wanted}, got {value!r}")
+            if low is not None and not value >= low:
+                raise ValueError(f"{place} must be >= {low:g}, got {value!r}")
 
 
 def _orthonormalize_columns(batch: torch.Tensor, epsilon: float = 0.0) -> None:

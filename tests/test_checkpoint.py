@@ -161,3 +161,11 @@ def test_data_loader_position_round_trip() -> None:
     other.load_state_dict(state)
     assert [b[0].tolist() for b in other] == rest
     assert seen + rest != first_epoch  # a new shuffle each epoch
+
+
+def test_empty_checkpoint_path_is_a_clear_error() -> None:
+    accelerator = kwplug.Accelerator(cpu=True)
+    with pytest.raises(ValueError, match="empty path"):
+        accelerator.load_state("")
+    with pytest.raises(ValueError, match="empty path"):
+        accelerator.save_state("")

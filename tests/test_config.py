@@ -78,6 +78,8 @@ def test_mapping_and_overrides() -> None:
         ("handlers = 3", r"'handlers' must be a table"),
         ("[handlers]\ngrad_scaler = 3", r"\[handlers.grad_scaler\] must be a table"),
         ("precision = 'bf16'", r"unknown key\(s\) precision; accepted: mixed_precision, cpu"),
+        ('cpu = "yes"', r"kwplug.toml: 'cpu' must be true or false"),
+        ('mixed_precision = "fp8"', r"kwplug.toml: 'mixed_precision' must be one of"),
     ],
 )
 def test_errors_name_file_table_and_key(tmp_path: Path, text: str, message: str) -> None:

@@ -637,3 +637,37 @@ def test_ddp_compatible_hook() -> None:
     ]
     with pytest.raises(TypeError, match="callable"):
         hooks.ddp_compatible_hook(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        (
+            {"matrix_approximation_rank": 0},
+            ValueError,
+            r"'matrix_approximation_rank'\] must be >= 1",
+        ),
+        (
+            {"matrix_approximation_rank": "2"},
+            TypeError,
+            r"'matrix_approximation_rank'\] must be an int",
+        ),
+        ({"start_powerSGD_iter": 2.5}, TypeError, "must be an int"),
+        ({"warm_start": 1}, TypeError, "must be True or False"),
+        ({"min_compression_rate": float("nan")}, ValueError, "must be >= 0"),
+    ],
+)
+def test_power_sgd_option_values_are_checked_at_construction(
+    options: dict[str, Any], error: type, message: str
+) -> None:
+    # A rank of 0 would silently zero every gradient; a str would fail deep in torch later.
+    with pytest.raises(error, match=message):
+        DistributedDataParallelKwargs(comm_hook="power_sgd", comm_state_option=options)
+
+
+def test_misspelt_hook_name_fails_in_a_single_process_too() -> None:
+    accelerator = kwplug.Accelerator(
+        cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(comm_hook="bf17")]
+    )
+    with pytest.raises(ValueError, match="unknown communication hook 'bf17'.*'no'"):
+        accelerator.prepare(torch.nn.Linear(2, 2))

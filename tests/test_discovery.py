@@ -58,3 +58,12 @@ def test_order_does_not_depend_on_entry_point_order(monkeypatch: pytest.MonkeyPa
             ("kwplug", "ddp"),
         ]
     )
+
+
+def test_control_names_are_normalised_like_pip() -> None:
+    from kwplug.loading import LoadControls
+
+    controls = LoadControls.from_env({"KWPLUG_BLOCK_PLUGINS": "KWPLUG_MyBackend, Other.Dist:ep"})
+    assert controls.status("anything", "kwplug-mybackend", builtin=False) == "blocked"
+    assert controls.status("ep", "other-dist", builtin=False) == "blocked"
+    assert controls.status("ep", "third", builtin=False) is None
