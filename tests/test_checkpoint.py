@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
         check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # one thread: fast on a busy 2-core box
     )
     if check and result.returncode != 0:
         raise AssertionError(result.stdout + result.stderr)
