@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from kwplug import checkpoint, discovery
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
 from kwplug.data import PreparedDataLoader, prepare_dataloader
-from kwplug.dispatch import Answer, PluginHookError, call_first
+from kwplug.dispatch import Answer, call_each, call_first
 from kwplug.environment import ProcessInfo, select_device
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import AutocastFactory
@@ -159,23 +159,9 @@ class Accelerator:
     # -- setup -----------------------------------------------------------------------------
 
     def _collect_comm_hooks(self) -> dict[str, CommHook]:
-        pm = self.plugin_manager
-        contributions: list[tuple[str, Any]] = []
-        # Called impl by impl (the spec takes no arguments) so a duplicate name can be
-        # blamed on the plugin that gave it.
-        for impl in reversed(pm.hook.comm_hooks.get_hookimpls()):
-            label = self._describe(impl.plugin_name)
-            try:
-                answer = impl.function()
-            except Exception as exc:
-                where = f"hook 'comm_hooks' of {label}"
-                if impl.plugin_name in self._third_party:
-                    raise PluginHookError(f"{where} raised {type(exc).__name__}: {exc}") from exc
-                if hasattr(exc, "add_note"):
-                    exc.add_note(f"(raised by {where})")
-                raise
-            contributions.append((label, answer))
-        return merge_comm_hooks(contributions)
+        # Answer by answer, so that a duplicate name can be blamed on the plugin that gave it.
+        answers = self._call_each("comm_hooks")
+        return merge_comm_hooks([(self._describe(name), answer) for name, answer in answers])
 
     def prepare(self, *objs: Any) -> Any:
         """Prepare models, optimizers and data loaders for training, in the order given.
@@ -504,17 +490,12 @@ class Accelerator:
 
     def _collect_handler_state(self) -> dict[str, Any]:
         # By registered plugin name, so that each plugin gets its own state back.
-        saved: dict[str, Any] = {}
-        for impl in self.plugin_manager.hook.handler_state.get_hookimpls():
-            state = impl.function()
-            if state is not None:
-                saved[impl.plugin_name] = state
-        return saved
+        answers = self._call_each("handler_state")
+        return {name: state for name, state in answers if state is not None}
 
     def _restore_handler_state(self, saved: Mapping[str, Any]) -> None:
-        for impl in self.plugin_manager.hook.load_handler_state.get_hookimpls():
-            if impl.plugin_name in saved:
-                impl.function(saved[impl.plugin_name])
+        for name, state in saved.items():
+            self._call_each("load_handler_state", only=name.__eq__, state=state)
 
     def end_training(self) -> None:
         """Destroy the default process group (``torch.distributed.destroy_process_group``).
@@ -558,6 +539,18 @@ class Accelerator:
             "hook %s answered by %s", hook_name, self._describe(answer.plugin or "no plugin")
         )
         return answer.result
+
+    def _call_each(
+        self, hook_name: str, *, only: Any = lambda name: True, **kwargs: Any
+    ) -> list[tuple[str, Any]]:
+        return call_each(
+            self.plugin_manager,
+            hook_name,
+            kwargs,
+            describe=self._describe,
+            third_party=self._third_party.__contains__,
+            only=only,
+        )
 
     def _call_with(self, hook_name: str, handler: KwargsHandler | None, **kwargs: Any) -> Any:
         if handler is None:

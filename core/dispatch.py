@@ -78,18 +78,66 @@ def call_first(
     asked: list[str] = []
     for name, function, argnames in order:
         asked.append(name)
-        try:
-            result = function(*(kwargs[a] for a in argnames))
-        except Exception as exc:
-            where = f"hook {hook_name!r} of {describe(name)}"
-            if third_party(name):
-                raise PluginHookError(f"{where} raised {type(exc).__name__}: {exc}") from exc
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"(raised by {where})")
-            raise
+        result = _call_one(hook_name, name, function, argnames, kwargs, describe, third_party)
         if result is not None:
             return Answer(hook_name, result, name, tuple(asked))
     return Answer(hook_name, None, None, tuple(asked))
+
+
+def call_each(
+    pm: pluggy.PluginManager,
+    hook_name: str,
+    kwargs: Mapping[str, Any],
+    *,
+    describe: Callable[[str], str] = str,
+    third_party: Callable[[str], bool] = lambda name: False,
+    only: Callable[[str], bool] = lambda name: True,
+) -> list[tuple[str, Any]]:
+    """Call a collecting (not ``firstresult``) hook; ``(plugin name, answer)`` per plugin.
+
+    Plugins are called in pluggy's order, one at a time, so that an answer (and an error) can
+    be attributed; ``only`` selects which registered names are called. Errors follow the
+    policy of :func:`call_first`.
+    """
+    impls = reversed(getattr(pm.hook, hook_name).get_hookimpls())
+    return [
+        (
+            i.plugin_name,
+            _call_one(
+                hook_name,
+                i.plugin_name,
+                i.function,
+                tuple(i.argnames),
+                kwargs,
+                describe,
+                third_party,
+            ),
+        )
+        for i in impls
+        if only(i.plugin_name)
+    ]
+
+
+def _call_one(
+    hook_name: str,
+    name: str,
+    function: Callable[..., Any],
+    argnames: tuple[str, ...],
+    kwargs: Mapping[str, Any],
+    describe: Callable[[str], str],
+    third_party: Callable[[str], bool],
+) -> Any:
+    # One implementation, passed the arguments it names (as pluggy does). A third-party
+    # plugin's error becomes PluginHookError naming it; others keep their type, plus a note.
+    try:
+        return function(*(kwargs[a] for a in argnames))
+    except Exception as exc:
+        where = f"hook {hook_name!r} of {describe(name)}"
+        if third_party(name):
+            raise PluginHookError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"(raised by {where})")
+        raise
 
 
 _PLAIN_OPTS: pluggy.HookimplOpts = {
