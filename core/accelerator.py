@@ -23,6 +23,7 @@ from kwplug.environment import ProcessInfo, select_device
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import AutocastFactory
 from kwplug.optimizer import ScaledOptimizer
+from kwplug.params import ParameterRemap
 from kwplug.registry import build_plugin_manager, check_handler, check_handlers, extra_impls
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class Accelerator:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._dataloaders: list[DataLoader[Any]] = []
         self._custom_objects: list[Any] = []
+        # Parameters that wrappers replaced (FSDP2), so that optimizers follow them.
+        self._remap = ParameterRemap()
         logger.debug(
             "Accelerator on %s, rank %d/%d, mixed_precision=%s, plugins: %s",
             self.device,
@@ -175,7 +178,9 @@ class Accelerator:
         - anything else: returned unchanged.
 
         Create the optimizer from the model's parameters before or after ``prepare``: DDP
-        shares the parameters, so both work.
+        shares the parameters, and when a wrapper replaces them (FSDP2's ``fully_shard``
+        registers ``DTensor`` parameters) every optimizer prepared by this Accelerator, before
+        or after the model, is pointed at the new parameters, matched by name.
 
         Returns:
             The prepared object when one was given, else a tuple in the same order.
@@ -193,7 +198,12 @@ class Accelerator:
         return obj
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move ``model`` to :attr:`device` and wrap it through the ``wrap_model`` hook."""
+        """Move ``model`` to :attr:`device` and wrap it through the ``wrap_model`` hook.
+
+        Parameters the wrapper replaced are recorded by name; optimizers prepared by this
+        Accelerator (already, or later) are pointed at the replacements.
+        """
+        before = dict(model.named_parameters())
         model = model.to(self.device)
         wrapped = self._call_first(
             "wrap_model",
@@ -211,11 +221,20 @@ class Accelerator:
                 f"{type(wrapped).__name__}, not a torch.nn.Module"
             )
         result = wrapped if wrapped is not None else model
+        if self._remap.learn(before, dict(self.unwrap_model(result).named_parameters())):
+            for optimizer in self._optimizers:
+                self._remap.apply(optimizer)
         self._models.append(result)
         return result
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Return ``optimizer``, stepping through the gradient scaler when there is one."""
+        """Return ``optimizer``, stepping through the gradient scaler when there is one.
+
+        When a prepared model's wrapper replaced parameters, the optimizer's param groups are
+        pointed at the replacements first.
+        """
+        if self._remap:
+            self._remap.apply(optimizer)
         if self.scaler is None or isinstance(optimizer, ScaledOptimizer):
             self._optimizers.append(optimizer)
             return optimizer
