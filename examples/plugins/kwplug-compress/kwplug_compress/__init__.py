@@ -1,0 +1,60 @@
+"""kwplug-compress: int8-quantised and top-k sparsified DDP communication hooks for kwplug.
+
+Installing the distribution registers this module under the ``kwplug.handlers`` entry point
+``compress``. Its :func:`comm_hooks` implementation contributes two hook names to every
+``kwplug.Accelerator``:
+
+- ``"int8"``: each bucket quantised to int8 with a float32 scale per chunk
+  (:func:`~kwplug_compress.hooks.int8_hook`; options ``chunk_size``, ``error_feedback``);
+- ``"topk"``: top-k sparsification with error feedback
+  (:func:`~kwplug_compress.hooks.topk_hook`; options ``ratio``, ``error_feedback``).
+
+Select one with ``kwplug.DistributedDataParallelKwargs(comm_hook="topk",
+comm_state_option={"ratio": 0.01})``. Only kwplug's public API is used (``kwplug.hookimpl``,
+``kwplug.CommHook``).
+"""
+
+from collections.abc import Mapping
+
+import kwplug
+from kwplug_compress.hooks import int8_bytes, int8_hook, topk_bytes, topk_count, topk_hook
+from kwplug_compress.state import (
+    Int8State,
+    ResidualMemory,
+    TopKState,
+    make_int8_state,
+    make_topk_state,
+)
+
+__all__ = [
+    "HOOK_NAMES",
+    "Int8State",
+    "ResidualMemory",
+    "TopKState",
+    "comm_hooks",
+    "int8_bytes",
+    "int8_hook",
+    "make_int8_state",
+    "make_topk_state",
+    "topk_bytes",
+    "topk_count",
+    "topk_hook",
+]
+
+#: The hook names this plugin contributes.
+HOOK_NAMES: tuple[str, ...] = ("int8", "topk")
+
+
+@kwplug.hookimpl
+def comm_hooks() -> Mapping[str, kwplug.CommHook]:
+    """kwplug's ``comm_hooks`` hook: the ``"int8"`` and ``"topk"`` hooks by name.
+
+    Returns:
+        ``{"int8": CommHook("int8", int8_hook, make_int8_state), "topk": CommHook("topk",
+        topk_hook, make_topk_state)}``; kwplug records this plugin's entry point as their
+        source.
+    """
+    return {
+        "int8": kwplug.CommHook("int8", int8_hook, make_int8_state),
+        "topk": kwplug.CommHook("topk", topk_hook, make_topk_state),
+    }

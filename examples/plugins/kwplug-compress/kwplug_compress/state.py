@@ -1,0 +1,252 @@
+"""Options and per-model state of the ``"int8"`` and ``"topk"`` communication hooks.
+
+kwplug builds a hook's state once per DDP model, when ``accelerator.prepare(model)`` wraps it,
+by calling the :class:`kwplug.CommHook`'s ``make_state(process_group, comm_state_option)``.
+The factories here check every option first, so a misspelt key or a bad value fails before
+DDP is built and before any collective runs.
+"""
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "INT8_OPTIONS",
+    "TOPK_OPTIONS",
+    "Int8State",
+    "Layout",
+    "ResidualMemory",
+    "TopKState",
+    "make_int8_state",
+    "make_topk_state",
+]
+
+#: The shapes of a bucket's parameters, in bucket order: what a residual's entries mean.
+Layout = tuple[tuple[int, ...], ...]
+
+#: Options of ``"int8"`` and their defaults.
+INT8_OPTIONS: Mapping[str, Any] = {"chunk_size": 512, "error_feedback": False}
+
+#: Options of ``"topk"`` and their defaults.
+TOPK_OPTIONS: Mapping[str, Any] = {"ratio": 0.01, "error_feedback": True}
+
+
+class ResidualMemory:
+    """Error-feedback memory: one float32 residual per DDP bucket, keyed by bucket index.
+
+    A residual is only meaningful for the parameter layout it was accumulated for. DDP rebuilds
+    its buckets after the first step (in the order gradients became ready), so each residual is
+    stored with its bucket's :data:`Layout` and a bucket whose layout changed starts again
+    from zeros. Residuals restored by :meth:`load_state_dict` wait until a bucket with their
+    layout appears: a resumed run's first step still uses DDP's initial layout, and the saved
+    residuals belong to the rebuilt one.
+    """
+
+    def __init__(self) -> None:
+        self._live: dict[int, tuple[Layout, torch.Tensor]] = {}
+        self._restored: dict[int, tuple[Layout, torch.Tensor]] = {}
+
+    def residual(self, index: int, layout: Layout, like: torch.Tensor) -> torch.Tensor:
+        """The residual of bucket ``index`` (a float32 tensor to update in place).
+
+        Args:
+            index: ``GradBucket.index()``.
+            layout: the bucket's :data:`Layout`.
+            like: the bucket buffer; a new residual has its number of elements and device.
+
+        Returns:
+            A 1-D ``torch.float32`` tensor of ``like.numel()`` elements on ``like.device``:
+            the live residual when its layout matches, else a restored one with this layout,
+            else zeros.
+        """
+        entry = self._live.get(index)
+        if entry is not None and entry[0] == layout:
+            return entry[1]
+        restored = self._restored.get(index)
+        if restored is not None and restored[0] == layout:
+            del self._restored[index]
+            tensor = restored[1].to(device=like.device, dtype=torch.float32)
+        else:
+            tensor = torch.zeros(like.numel(), dtype=torch.float32, device=like.device)
+        self._live[index] = (layout, tensor)
+        return tensor
+
+    def state_dict(self) -> dict[str, Any]:
+        """A picklable copy of every residual (CPU tensors), by bucket index.
+
+        Returns:
+            ``{"residuals": {index: {"layout": [[shape...], ...], "residual": Tensor}}}``;
+            restored residuals not used yet are included.
+        """
+        entries = {**self._restored, **self._live}
+        return {
+            "residuals": {
+                index: {"layout": [list(shape) for shape in layout], "residual": tensor.cpu()}
+                for index, (layout, tensor) in entries.items()
+            }
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace every residual with the ones :meth:`state_dict` returned.
+
+        Raises:
+            KeyError: ``state`` lacks ``"residuals"`` or an entry lacks a key.
+        """
+        self._live.clear()
+        self._restored = {
+            int(index): (
+                tuple(tuple(int(d) for d in shape) for shape in entry["layout"]),
+                entry["residual"].detach().to(torch.float32).clone(),
+            )
+            for index, entry in state["residuals"].items()
+        }
+
+
+@dataclass(eq=False)
+class Int8State:
+    """State of the ``"int8"`` hook.
+
+    Attributes:
+        process_group: ``torch.distributed.ProcessGroup`` to exchange over, ``None`` = the
+            default group (what kwplug passes).
+        chunk_size: elements sharing one float32 scale (default 512, so the scales add
+            4/512 of a byte per element to the int8 payload).
+        error_feedback: carry each step's quantisation error into the next (default off:
+            rounding to 1/254 of the chunk's range already loses little).
+        memory: the residuals, used with ``error_feedback``.
+    """
+
+    process_group: dist.ProcessGroup | None = None
+    chunk_size: int = 512
+    error_feedback: bool = False
+    memory: ResidualMemory = field(default_factory=ResidualMemory)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The residuals, for ``Accelerator.save_state`` (see :meth:`ResidualMemory.state_dict`)."""
+        return self.memory.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; the options stay as configured."""
+        self.memory.load_state_dict(state)
+
+
+@dataclass(eq=False)
+class TopKState:
+    """State of the ``"topk"`` hook.
+
+    Attributes:
+        process_group: ``torch.distributed.ProcessGroup``, ``None`` = the default group.
+        ratio: fraction of each bucket's elements every rank sends, in (0, 1] (default 0.01);
+            ``k = max(1, ceil(ratio * numel))``.
+        error_feedback: keep what was not sent and add it to the next step's gradient
+            (default on; without it top-k sparsification loses most of the gradient).
+        memory: the residuals, used with ``error_feedback``.
+    """
+
+    process_group: dist.ProcessGroup | None = None
+    ratio: float = 0.01
+    error_feedback: bool = True
+    memory: ResidualMemory = field(default_factory=ResidualMemory)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The residuals, for ``Accelerator.save_state`` (see :meth:`ResidualMemory.state_dict`)."""
+        return self.memory.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; the options stay as configured."""
+        self.memory.load_state_dict(state)
+
+
+def _checked(hook: str, options: Any, accepted: Mapping[str, Any]) -> dict[str, Any]:
+    # Unknown keys first: a misspelt key is the likeliest mistake, name what is accepted.
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            f"comm_state_option of the {hook!r} hook must be a mapping, "
+            f"got {type(options).__name__}"
+        )
+    unknown = sorted(map(repr, set(options) - set(accepted)))
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)} in comm_state_option of the {hook!r} hook; "
+            f"accepted: {', '.join(f'{k} (default {v!r})' for k, v in accepted.items())}"
+        )
+    values = {**accepted, **options}
+    if not isinstance(values["error_feedback"], bool):
+        raise TypeError(
+            f"comm_state_option['error_feedback'] of the {hook!r} hook must be True or False, "
+            f"got {values['error_feedback']!r}"
+        )
+    return values
+
+
+def make_int8_state(
+    process_group: dist.ProcessGroup | None, options: Mapping[str, Any]
+) -> Int8State:
+    """Build the ``"int8"`` hook's state from ``DistributedDataParallelKwargs.comm_state_option``.
+
+    Args:
+        process_group: ``torch.distributed.ProcessGroup`` or ``None`` (the default group).
+        options: ``chunk_size`` (``int`` >= 1, default 512 elements per float32 scale) and
+            ``error_feedback`` (``bool``, default ``False``).
+
+    Returns:
+        A fresh :class:`Int8State`.
+
+    Raises:
+        ValueError: an unknown key (the message lists the accepted ones with their defaults),
+            or ``chunk_size < 1``.
+        TypeError: ``options`` is not a mapping, ``chunk_size`` is not an ``int`` (``bool``
+            is refused), or ``error_feedback`` is not a ``bool``.
+    """
+    values = _checked("int8", options, INT8_OPTIONS)
+    chunk_size = values["chunk_size"]
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(
+            f"comm_state_option['chunk_size'] of the 'int8' hook must be an int >= 1 (elements "
+            f"per scale), got {chunk_size!r}"
+        )
+    if chunk_size < 1:
+        raise ValueError(
+            f"comm_state_option['chunk_size'] of the 'int8' hook must be >= 1 (elements per "
+            f"scale), got {chunk_size!r}"
+        )
+    return Int8State(process_group, chunk_size, values["error_feedback"])
+
+
+def make_topk_state(
+    process_group: dist.ProcessGroup | None, options: Mapping[str, Any]
+) -> TopKState:
+    """Build the ``"topk"`` hook's state from ``DistributedDataParallelKwargs.comm_state_option``.
+
+    Args:
+        process_group: ``torch.distributed.ProcessGroup`` or ``None`` (the default group).
+        options: ``ratio`` (a float in (0, 1], default 0.01: the fraction of each bucket sent)
+            and ``error_feedback`` (``bool``, default ``True``).
+
+    Returns:
+        A fresh :class:`TopKState`.
+
+    Raises:
+        ValueError: an unknown key (the message lists the accepted ones with their defaults),
+            or ``ratio`` outside (0, 1] (NaN included).
+        TypeError: ``options`` is not a mapping, ``ratio`` is not a real number (``bool`` is
+            refused; an ``int`` such as ``1`` is accepted), or ``error_feedback`` is not a
+            ``bool``.
+    """
+    values = _checked("topk", options, TOPK_OPTIONS)
+    ratio = values["ratio"]
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise TypeError(
+            f"comm_state_option['ratio'] of the 'topk' hook must be a float in (0, 1], "
+            f"got {ratio!r}"
+        )
+    if not (0.0 < ratio <= 1.0) or math.isnan(ratio):
+        raise ValueError(
+            f"comm_state_option['ratio'] of the 'topk' hook must be a float in (0, 1] (the "
+            f"fraction of each bucket sent), got {ratio!r}"
+        )
+    return TopKState(process_group, float(ratio), values["error_feedback"])
