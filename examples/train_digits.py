@@ -17,6 +17,14 @@ https://ui.perfetto.dev)::
     python -m torch.distributed.run --nproc-per-node 2 examples/train_digits.py \\
         --comm-hook bf16 --mixed-precision bf16 --profile-dir traces
 
+With ``--config FILE`` the Accelerator's settings and handlers come from a TOML file (see
+``Accelerator.from_config``), so a handler plugin is used by its entry-point name, without
+importing it. ``examples/fsdp.toml`` shards the model with FSDP2 instead of DDP (needs
+``pip install -e examples/plugins/kwplug-fsdp``)::
+
+    python -m torch.distributed.run --nproc-per-node 2 examples/train_digits.py \\
+        --config examples/fsdp.toml
+
 With ``--checkpoint-dir DIR`` the state is saved atomically after every epoch and a restarted
 run resumes from it, so ``torchrun --max-restarts 3 --rdzv-backend c10d
 --rdzv-endpoint 127.0.0.1:29500 ...`` survives a worker that dies.
@@ -40,10 +48,12 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import attrs
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
@@ -56,6 +66,7 @@ from kwplug import (
     ProfileKwargs,
     checkpoint,
 )
+from kwplug.config import load_config
 
 COMM_HOOKS = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 
@@ -69,12 +80,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Train a small MLP on scikit-learn's digits with kwplug.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no")
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="TOML file for Accelerator.from_config (mixed_precision, cpu, [handlers.<name>] "
+        "tables); its handlers replace the script's of the same class, flags given here win",
+    )
+    # None: not given, so that a --config file can set it (resolved in make_accelerator).
+    parser.add_argument(
+        "--mixed-precision",
+        choices=("no", "bf16", "fp16"),
+        default=None,
+        help="(default: the --config file's, else no)",
+    )
     parser.add_argument(
         "--comm-hook",
         choices=COMM_HOOKS,
-        default="no",
-        help="DDP gradient communication hook (only used with more than one process)",
+        default=None,
+        help="DDP gradient communication hook, only used with more than one process "
+        "(default: the --config file's [handlers.ddp], else no)",
     )
     parser.add_argument(
         "--profile-dir",
@@ -134,7 +159,10 @@ def evaluate(accelerator: Accelerator, model: nn.Module, data: TensorDataset) ->
 
 
 def flat_parameters(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    """Every parameter, flattened; sharded (FSDP2 ``DTensor``) ones all-gathered in full, so
+    every rank must call it."""
+    full = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return torch.cat([p.detach().float().reshape(-1) for p in full])
 
 
 class Progress:
@@ -153,13 +181,46 @@ class Progress:
 def make_accelerator(args: argparse.Namespace) -> Accelerator:
     handlers: list[KwargsHandler] = [
         # Gradients are all-reduced through the chosen communication hook (under torchrun).
-        DistributedDataParallelKwargs(comm_hook=args.comm_hook),
+        DistributedDataParallelKwargs(comm_hook=args.comm_hook or "no"),
         # Only used with --mixed-precision fp16: start at a smaller loss scale than 2**16.
         GradScalerKwargs(init_scale=1024.0, growth_interval=100),
         # Only used under torchrun: fail fast instead of hanging 30 minutes on a dead peer.
         InitProcessGroupKwargs(timeout=timedelta(seconds=120)),
     ]
-    return Accelerator(mixed_precision=args.mixed_precision, cpu=args.cpu, kwargs_handlers=handlers)
+    if args.config is None:
+        return Accelerator(
+            mixed_precision=args.mixed_precision or "no", cpu=args.cpu, kwargs_handlers=handlers
+        )
+    # What Accelerator.from_config(args.config, **overrides) does, with the handler lists
+    # merged: the file's handlers (any plugin, by entry-point name) replace the script's of
+    # the same class, and flags given on the command line win over the file.
+    configured = load_config(args.config)  # ConfigError names the file, table and key
+    from_file: list[KwargsHandler] = configured["kwargs_handlers"]
+    if args.comm_hook is not None:
+        from_file = [
+            attrs.evolve(h, comm_hook=args.comm_hook)
+            if isinstance(h, DistributedDataParallelKwargs)
+            else h
+            for h in from_file
+        ]
+    configured_classes = {type(h) for h in from_file}
+    configured["kwargs_handlers"] = [
+        *from_file,
+        *(h for h in handlers if type(h) not in configured_classes),
+    ]
+    if args.mixed_precision is not None:
+        configured["mixed_precision"] = args.mixed_precision
+    if args.cpu:
+        configured["cpu"] = True
+    return Accelerator(**configured)
+
+
+def describe_comm_hook(accelerator: Accelerator) -> str:
+    """The communication hook of the DDP handler in use."""
+    for handler in accelerator.handlers:
+        if isinstance(handler, DistributedDataParallelKwargs):
+            return str(handler.comm_hook)
+    return "no"
 
 
 def train(accelerator: Accelerator, args: argparse.Namespace) -> tuple[float, bool]:
@@ -173,6 +234,8 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> tuple[float, bo
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
 
     model, optimizer = accelerator.prepare(model, optimizer)
+    if args.config is not None:  # which plugin wrapped the model (DDP, FSDP, ... or none)
+        accelerator.print(f"wrap_model: {accelerator.plan['wrap_model'].plugin or 'unwrapped'}")
     # Shards the loader per rank; the seed fixes the (per-epoch) shuffle on every rank.
     train_loader = accelerator.prepare_data_loader(train_loader, seed=args.seed)
     # Cosine decay over all steps: a calm end of training, so the final accuracy is stable.
@@ -245,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     accelerator = make_accelerator(args)
     accelerator.print(
         f"{accelerator.num_processes} process(es) on {accelerator.device}, "
-        f"mixed_precision={args.mixed_precision}, comm_hook={args.comm_hook}"
+        f"mixed_precision={accelerator.mixed_precision}, "
+        f"comm_hook={describe_comm_hook(accelerator)}"
     )
     accuracy, identical = train(accelerator, args)
     accelerator.print(f"final_accuracy={accuracy:.4f}")
