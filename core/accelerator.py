@@ -6,6 +6,7 @@ import contextlib
 import gc
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -406,12 +407,22 @@ class Accelerator:
         feedback and step counter). Every rank must call it; see :mod:`kwplug.checkpoint` for
         the layout and the crash-safety guarantees.
 
+        A sharded model (``DTensor`` parameters, e.g. from FSDP2's ``fully_shard``) is saved
+        as its full state dict, gathered to rank 0 through
+        ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (same keys and
+        shapes as the unsharded model's ``state_dict()``); its optimizer as the full
+        optimizer state dict (``get_optimizer_state_dict``, keyed by parameter name).
+
         Args:
             output_dir: the checkpoint directory; an existing checkpoint there is replaced
                 only once the new one is complete.
 
         Returns:
             The checkpoint directory.
+
+        Raises:
+            NotImplementedError: an optimizer steps a sharded model's parameters together
+                with parameters outside that model.
         """
         if not os.fspath(output_dir):
             raise ValueError("save_state needs a checkpoint directory, got an empty path")
@@ -420,13 +431,18 @@ class Accelerator:
             checkpoint.prepare_staging(directory)
         self.wait_for_everyone()
         staging = checkpoint.staging_dir(directory)
+        # Sharded (FSDP2) models and their optimizers are gathered by collectives: every rank.
+        full_models, full_optimizers = self._gather_sharded_states()
         if self.is_main_process:
             for i, model in enumerate(self._models):
-                checkpoint.atomic_save(
-                    self.unwrap_model(model).state_dict(), staging / f"model_{i}.pt"
-                )
+                if i in full_models:
+                    state = full_models[i]
+                else:
+                    state = self.unwrap_model(model).state_dict()
+                checkpoint.atomic_save(state, staging / f"model_{i}.pt")
             for i, optimizer in enumerate(self._optimizers):
-                checkpoint.atomic_save(optimizer.state_dict(), staging / f"optimizer_{i}.pt")
+                state = full_optimizers[i] if i in full_optimizers else optimizer.state_dict()
+                checkpoint.atomic_save(state, staging / f"optimizer_{i}.pt")
             if self.scaler is not None:
                 checkpoint.atomic_save(self.scaler.state_dict(), staging / "scaler.pt")
             for i, obj in enumerate(self._custom_objects):
@@ -452,7 +468,9 @@ class Accelerator:
         """Restore what :meth:`save_state` saved into the prepared objects, in place.
 
         Prepare the same models, optimizers and data loaders, in the same order, before
-        calling it. Every rank must call it.
+        calling it. Every rank must call it. Sharded models and their optimizers are read on
+        rank 0 and broadcast (``set_model_state_dict`` / ``set_optimizer_state_dict`` with
+        ``broadcast_from_rank0=True``); each rank keeps its own shards.
 
         Returns:
             The checkpoint directory read (``DIR.previous`` when a save was interrupted while
@@ -462,6 +480,8 @@ class Accelerator:
             FileNotFoundError: no complete checkpoint at ``input_dir``.
             ValueError: the checkpoint was saved with a different number of processes or
                 different prepared objects.
+            NotImplementedError: (also from :meth:`save_state`) an optimizer steps a sharded
+                model's parameters together with parameters outside that model.
         """
         if not os.fspath(input_dir):
             raise ValueError("load_state needs a checkpoint directory, got an empty path")
@@ -480,10 +500,19 @@ class Accelerator:
                 f"{directory} was saved by {per_rank['world_size']} processes, this run has "
                 f"{self.num_processes}"
             )
+        sharded_optimizers = self._sharded_optimizers()
         for i, model in enumerate(self._models):
+            if _is_sharded(self.unwrap_model(model)):
+                self._load_sharded_model(self.unwrap_model(model), directory / f"model_{i}.pt")
+                continue
             state = torch.load(directory / f"model_{i}.pt", map_location=self.device)
             self.unwrap_model(model).load_state_dict(state)
         for i, optimizer in enumerate(self._optimizers):
+            if i in sharded_optimizers:
+                self._load_sharded_optimizer(
+                    sharded_optimizers[i], optimizer, directory / f"optimizer_{i}.pt"
+                )
+                continue
             state = torch.load(directory / f"optimizer_{i}.pt", map_location=self.device)
             optimizer.load_state_dict(state)
         if self.scaler is not None and (directory / "scaler.pt").is_file():
@@ -506,6 +535,91 @@ class Accelerator:
         checkpoint.set_rng_state(per_rank["rng"], self.device)
         self.wait_for_everyone()
         return directory
+
+    # Sharded models (parameters that are DTensors, e.g. from FSDP2's fully_shard) are saved
+    # as full, unsharded state dicts through torch.distributed.checkpoint.state_dict: the
+    # model file has the same keys and shapes as an unsharded model's state_dict(); the
+    # optimizer file is keyed by parameter name (torch's "full optimizer state dict").
+
+    def _sharded_optimizers(self) -> dict[int, torch.nn.Module]:
+        """Index of each prepared optimizer stepping a sharded model's parameters -> that
+        (unwrapped) model.
+
+        Raises:
+            NotImplementedError: an optimizer holds parameters of a sharded model and
+                parameters outside it.
+        """
+        owners: dict[int, torch.nn.Module] = {}
+        for model in self._models:
+            module = self.unwrap_model(model)
+            if _is_sharded(module):
+                owners.update((id(p), module) for p in module.parameters())
+        if not owners:
+            return {}
+        found: dict[int, torch.nn.Module] = {}
+        for i, optimizer in enumerate(self._optimizers):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            models = {id(owners[id(p)]): owners[id(p)] for p in params if id(p) in owners}
+            if not models:
+                continue
+            if len(models) > 1 or any(id(p) not in owners for p in params):
+                raise NotImplementedError(
+                    f"checkpointing optimizer {i}: it steps parameters of a sharded model "
+                    "together with other parameters; give each sharded model its own optimizer"
+                )
+            found[i] = next(iter(models.values()))
+        return found
+
+    def _gather_sharded_states(self) -> tuple[dict[int, Any], dict[int, Any]]:
+        # Collectives: called on every rank, in the same order. With cpu_offload the full
+        # state is materialised on rank 0 only (the others get {}).
+        models: dict[int, Any] = {}
+        optimizers: dict[int, Any] = {}
+        sharded_optimizers = self._sharded_optimizers()
+        if not sharded_optimizers and not any(
+            _is_sharded(self.unwrap_model(m)) for m in self._models
+        ):
+            return models, optimizers
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        for i, model in enumerate(self._models):
+            module = self.unwrap_model(model)
+            if _is_sharded(module):
+                models[i] = get_model_state_dict(module, options=options)
+        for i, module in sharded_optimizers.items():
+            optimizer = _torch_optimizer(self._optimizers[i])
+            optimizers[i] = get_optimizer_state_dict(module, optimizer, options=options)
+        return models, optimizers
+
+    def _load_sharded_model(self, module: torch.nn.Module, path: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        # Rank 0 reads the full state and broadcasts it; each rank keeps its own shards.
+        state = torch.load(path, map_location="cpu") if self.is_main_process else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(module, state, options=options)
+
+    def _load_sharded_optimizer(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        state = (
+            torch.load(path, map_location="cpu", weights_only=False) if self.is_main_process else {}
+        )
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(module, _torch_optimizer(optimizer), state, options=options)
 
     def _collect_handler_state(self) -> dict[str, Any]:
         # By registered plugin name, so that each plugin gets its own state back.
@@ -587,6 +701,17 @@ class Accelerator:
 
 def _loader_state(loader: DataLoader[Any]) -> dict[str, int] | None:
     return loader.state_dict() if isinstance(loader, PreparedDataLoader) else None
+
+
+def _is_sharded(module: torch.nn.Module) -> bool:
+    # No DTensor exists unless torch.distributed.tensor was imported: skip importing it here.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in module.parameters())
+
+
+def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    # torch.distributed.checkpoint works on the optimizer itself, not on the scaler's wrapper.
+    return optimizer.optimizer if isinstance(optimizer, ScaledOptimizer) else optimizer
 
 
 def _comm_hook_states(model: torch.nn.Module) -> list[tuple[Any, Any]]:

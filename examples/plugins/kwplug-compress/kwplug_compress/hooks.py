@@ -3,14 +3,14 @@
 Both follow PyTorch's contract for ``DistributedDataParallel.register_comm_hook``:
 ``hook(state, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]``,
 the future holding the gradient bucket averaged over the ranks. Each rank sends a compressed
-payload with one ``torch.distributed.all_gather_into_tensor`` (gloo and nccl support it, int8
-and int32 included). Summing compressed payloads with an all-reduce would not work: int8 sums
-overflow and the ranks' top-k indices differ. Every rank then decodes all payloads in rank
-order with the same operations, so all ranks compute bitwise the same average and their
-parameters stay identical.
+payload with one ``torch.distributed.all_gather_single`` (``all_gather_into_tensor`` before
+torch 2.13; gloo and nccl support both, int8 and int32 included). Summing compressed
+payloads with an all-reduce would not work: int8 sums overflow and the ranks' top-k indices
+differ. Every rank then decodes all payloads in rank order with the same operations, so all
+ranks compute bitwise the same average and their parameters stay identical.
 
 Collectives are called through the ``torch.distributed`` module attribute
-(``dist.all_gather_into_tensor``), so a caller can wrap it to count what is sent (see
+(``dist.all_gather_single``), so a caller can wrap it to count what is sent (see
 :mod:`kwplug_compress.measure`).
 
 No ``from __future__ import annotations`` here: DDP compares a hook's ``bucket`` and return
@@ -85,7 +85,10 @@ def _all_gather(
     payload: torch.Tensor, process_group: dist.ProcessGroup | None, world_size: int
 ) -> tuple[torch.Tensor, torch.futures.Future[Any]]:
     gathered = payload.new_empty(world_size * payload.numel())
-    work = dist.all_gather_into_tensor(gathered, payload, group=process_group, async_op=True)
+    # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same
+    # arguments), which older torch lacks. Looked up per call so that a wrapper counts it.
+    gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(gathered, payload, group=process_group, async_op=True)
     if work is None:  # only when this rank is not a member of the group
         raise RuntimeError("this process is not a member of the hook's process group")
     return gathered, work.get_future()
@@ -126,7 +129,7 @@ def int8_hook(state: Int8State, bucket: GradBucket) -> torch.futures.Future[torc
     Per chunk of ``state.chunk_size`` elements, the scale is ``max|g| / 127`` and each element
     is sent as ``round(g / scale)`` in int8; the scales travel as float32. Each rank sends
     :func:`int8_bytes` bytes (about a quarter of float32) with one
-    ``torch.distributed.all_gather_into_tensor``, then decodes every rank's payload in float32,
+    ``torch.distributed.all_gather_single``, then decodes every rank's payload in float32,
     sums them in rank order and divides by the world size. The error per element is at most
     half a step, ``scale / 2``, per rank. With ``state.error_feedback`` the rounding error is
     added to the bucket's next gradient. A chunk holding inf or NaN decodes to non-finite
@@ -177,7 +180,7 @@ def topk_hook(state: TopKState, bucket: GradBucket) -> torch.futures.Future[torc
     residual is the corrected gradient; its ``k = max(1, ceil(state.ratio * numel))`` entries
     of largest magnitude (``torch.topk``) are sent as ``k`` float32 values and ``k`` int32
     indices, :func:`topk_bytes` = ``8 k`` bytes, with one
-    ``torch.distributed.all_gather_into_tensor``. Every rank adds all ranks' entries into a
+    ``torch.distributed.all_gather_single``. Every rank adds all ranks' entries into a
     dense zero tensor in rank order (``index_add_``; one rank's indices are distinct, so the
     result is deterministic on GPUs too) and divides by the world size. The residual becomes
     the corrected gradient minus what was sent. With ``ratio=1.0`` the result equals the plain

@@ -49,6 +49,7 @@ COLLECTIVE_PAYLOAD: Mapping[str, int] = {
     "all_reduce": 0,
     "all_gather": 1,
     "all_gather_into_tensor": 1,
+    "all_gather_single": 1,
     "reduce_scatter_tensor": 1,
     "all_to_all_single": 1,
     "broadcast": 0,
@@ -69,6 +70,7 @@ class ByteCounter:
         self.active = False
         self.bytes = 0
         self.calls: dict[str, int] = {}
+        self.nested = False
 
     def add(self, name: str, payload: Any) -> None:
         """Count one call of ``torch.distributed.<name>`` with ``payload`` (a tensor or a list
@@ -98,13 +100,21 @@ def count_collective_bytes() -> Iterator[ByteCounter]:
     def wrap(name: str, position: int, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def counting(*args: Any, **kwargs: Any) -> Any:
+            if counter.nested:  # one collective implemented by another counts once
+                return original(*args, **kwargs)
             payload = args[position] if len(args) > position else next(iter(kwargs.values()))
             counter.add(name, payload)
-            return original(*args, **kwargs)
+            counter.nested = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                counter.nested = False
 
         return counting
 
     for name, position in COLLECTIVE_PAYLOAD.items():
+        if not hasattr(dist, name):  # e.g. all_gather_single before torch 2.13
+            continue
         originals[name] = getattr(dist, name)
         setattr(dist, name, wrap(name, position, originals[name]))
     try:
