@@ -93,7 +93,22 @@ def numerics_worker(checkpoint_dir: str) -> dict[str, Any]:
         nan_grad[7] = float("nan")
         out["int8_nan"] = int8_hook(int8_state, FakeBucket(nan_grad)).wait().clone()
     out["checkpoint"] = checkpoint_round_trip(checkpoint_dir)
+    out["bad_option"] = bad_option_error()
     return out
+
+
+def bad_option_error() -> str:
+    # Under torchrun prepare() builds the state before DDP: every rank fails the same way,
+    # before any collective.
+    handler = kwplug.DistributedDataParallelKwargs(
+        comm_hook="topk", comm_state_option={"ratio": 2.0}
+    )
+    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
+    try:
+        accelerator.prepare(torch.nn.Linear(2, 1))
+    except ValueError as error:
+        return str(error)
+    return "no error"
 
 
 def checkpoint_round_trip(directory: str) -> tuple[Any, Any]:
@@ -308,6 +323,11 @@ def test_bad_options_are_named(name: str, options: Any, error: type, match: str)
     record = kwplug.Accelerator(cpu=True).comm_hooks[name]
     with pytest.raises(error, match=match):
         record.build_state(None, options)
+
+
+def test_bad_option_fails_in_prepare_under_torchrun(numerics: list[dict[str, Any]]) -> None:
+    for rank_out in numerics:
+        assert "comm_state_option['ratio'] of the 'topk' hook" in rank_out["bad_option"]
 
 
 def test_options_and_defaults() -> None:
