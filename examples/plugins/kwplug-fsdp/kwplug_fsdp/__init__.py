@@ -8,26 +8,20 @@ kwplug's public API.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 import kwplug
 from kwplug.validators import optional_bool, strict_bool
 
-try:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-except ImportError:  # torch 2.4/2.5: FSDP2 was not yet public
-    # The ignore covers both the redefinition and the private module's missing re-exports.
-    from torch.distributed._composable.fsdp import (  # type: ignore[attr-defined,no-redef,unused-ignore]
-        MixedPrecisionPolicy,
-        fully_shard,
-    )
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["DTYPES", "FullyShardedKwargs"]
 __version__ = "0.1.0"
@@ -43,6 +37,18 @@ DTYPES: dict[str, torch.dtype] = {
 _PARAM_DTYPES: dict[str, str | None] = {"no": None, "bf16": "bfloat16", "fp16": "float16"}
 
 ModuleSelector = str | type[nn.Module]
+
+
+def _fsdp2() -> Any:
+    """The module holding ``fully_shard`` and ``MixedPrecisionPolicy``.
+
+    Imported on first use: torch.distributed.fsdp takes over a second to import, which every
+    process would pay at start-up (kwplug imports each installed plugin) even without FSDP.
+    """
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):  # torch 2.4/2.5: FSDP2 was not yet public
+        fsdp = importlib.import_module("torch.distributed._composable.fsdp")
+    return fsdp
 
 
 def _quoted(values: Iterable[str]) -> str:
@@ -208,12 +214,13 @@ class FullyShardedKwargs(kwplug.KwargsHandler):
         param = _PARAM_DTYPES[mixed_precision] if self.cast_params else None
         # Low-precision parameters but full-precision gradient sums, unless told otherwise.
         reduce = self.reduce_dtype or ("float32" if param is not None else None)
-        return MixedPrecisionPolicy(
+        policy: MixedPrecisionPolicy = _fsdp2().MixedPrecisionPolicy(
             param_dtype=DTYPES[param] if param else None,
             reduce_dtype=DTYPES[reduce] if reduce else None,
             output_dtype=DTYPES[self.output_dtype] if self.output_dtype else None,
             cast_forward_inputs=self.cast_forward_inputs,
         )
+        return policy
 
     def modules_to_shard(self, model: nn.Module) -> list[nn.Module]:
         """The submodules of ``model`` sharded on their own, children before parents; the
@@ -272,6 +279,9 @@ class FullyShardedKwargs(kwplug.KwargsHandler):
                 "FullyShardedKwargs: world_size > 1 but torch.distributed has no default "
                 "process group (run under torchrun through a kwplug Accelerator)"
             )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        fully_shard = _fsdp2().fully_shard
         options: dict[str, Any] = {
             "mesh": init_device_mesh(device.type, (world_size,)),
             "mp_policy": self.mixed_precision_policy(mixed_precision),
