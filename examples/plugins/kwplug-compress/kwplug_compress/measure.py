@@ -44,16 +44,17 @@ __all__ = [
 #: Name under which :func:`train_and_measure` registers :func:`allreduce_mean_hook`.
 BASELINE = "allreduce_mean"
 
-#: ``torch.distributed`` function name -> position of the argument this rank contributes.
-COLLECTIVE_PAYLOAD: Mapping[str, int] = {
-    "all_reduce": 0,
-    "all_gather": 1,
-    "all_gather_into_tensor": 1,
-    "all_gather_single": 1,
-    "reduce_scatter_tensor": 1,
-    "all_to_all_single": 1,
-    "broadcast": 0,
-    "reduce": 0,
+#: ``torch.distributed`` function name -> (position, name) of the argument holding what this
+#: rank contributes.
+COLLECTIVE_PAYLOAD: Mapping[str, tuple[int, str]] = {
+    "all_reduce": (0, "tensor"),
+    "all_gather": (1, "tensor"),
+    "all_gather_into_tensor": (1, "input_tensor"),
+    "all_gather_single": (1, "input_tensor"),
+    "reduce_scatter_tensor": (1, "input"),
+    "all_to_all_single": (1, "input"),
+    "broadcast": (0, "tensor"),
+    "reduce": (0, "tensor"),
 }
 
 
@@ -97,12 +98,15 @@ def count_collective_bytes() -> Iterator[ByteCounter]:
     counter = ByteCounter()
     originals: dict[str, Callable[..., Any]] = {}
 
-    def wrap(name: str, position: int, original: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(
+        name: str, argument: tuple[int, str], original: Callable[..., Any]
+    ) -> Callable[..., Any]:
         @functools.wraps(original)
         def counting(*args: Any, **kwargs: Any) -> Any:
             if counter.nested:  # one collective implemented by another counts once
                 return original(*args, **kwargs)
-            payload = args[position] if len(args) > position else next(iter(kwargs.values()))
+            position, keyword = argument
+            payload = args[position] if len(args) > position else kwargs[keyword]
             counter.add(name, payload)
             counter.nested = True
             try:
@@ -112,11 +116,11 @@ def count_collective_bytes() -> Iterator[ByteCounter]:
 
         return counting
 
-    for name, position in COLLECTIVE_PAYLOAD.items():
+    for name, argument in COLLECTIVE_PAYLOAD.items():
         if not hasattr(dist, name):  # e.g. all_gather_single before torch 2.13
             continue
         originals[name] = getattr(dist, name)
-        setattr(dist, name, wrap(name, position, originals[name]))
+        setattr(dist, name, wrap(name, argument, originals[name]))
     try:
         yield counter
     finally:
