@@ -22,6 +22,7 @@ def _build_tree() -> None:
     for source in (ROOT / "core").glob("*.py"):
         (package / source.name).symlink_to(source)
     (package / "plugins").symlink_to(ROOT / "plugins", target_is_directory=True)
+    (package / "testing").symlink_to(ROOT / "core" / "testing", target_is_directory=True)
 
 
 _build_tree()

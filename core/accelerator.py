@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from kwplug import checkpoint, discovery
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
+from kwplug.conflicts import check_conflicts
 from kwplug.data import PreparedDataLoader, prepare_dataloader
 from kwplug.dispatch import Answer, call_each, call_first
 from kwplug.environment import ProcessInfo, select_device
@@ -55,6 +56,8 @@ class Accelerator:
             handlers share a class; a torchrun variable is malformed.
         TypeError: ``kwargs_handlers`` holds something that is not a handler instance.
         RuntimeError: ``WORLD_SIZE > 1`` but no plugin initialised the process group.
+        kwplug.conflicts.PluginConflictError: two third-party plugins registered by default
+            both claim a one-answer hook for this device (see :mod:`kwplug.conflicts`).
     """
 
     def __init__(
@@ -81,6 +84,9 @@ class Accelerator:
         info = ProcessInfo.current()
         self.device = select_device(cpu, info.local_rank)
         self.device_type: str = self.device.type
+        check_conflicts(
+            self.plugin_manager, self._third_party.__contains__, self.device_type, self._describe
+        )
         if info.world_size > 1 and not dist.is_initialized():
             done = self._call_first(
                 "init_process_group",

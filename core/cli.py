@@ -25,7 +25,7 @@ def plugin_rows(records: Sequence[PluginRecord]) -> list[dict[str, Any]]:
             if isinstance(obj, type)
             else getattr(obj, "__name__", r.value)
         )
-        status = f"failed: {r.error}" if r.status == "failed" else r.status
+        status = f"{r.status}: {r.error}" if r.error is not None else r.status
         rows.append(
             {
                 "name": r.name,

@@ -20,13 +20,15 @@ import logging
 import time
 import types
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import attrs
 import importlib_metadata
 import pluggy
 
+from kwplug.compat import api_problem
+from kwplug.conflicts import device_types_problem
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import PROJECT_NAME, HandlerSpec
 from kwplug.loading import LoadControls, PluginLoadError, PluginLoadWarning
@@ -50,8 +52,10 @@ class PluginRecord:
         version: that distribution's version.
         obj: the loaded object (handler class or plugin), or ``None`` when not loaded.
         error: why loading failed (``None`` when it loaded or was not tried).
-        status: ``"loaded"``, ``"failed"``, ``"blocked"`` (``KWPLUG_BLOCK_PLUGINS``) or
-            ``"disabled"`` (``KWPLUG_DISABLE_PLUGIN_AUTOLOAD``, ``KWPLUG_PLUGINS``).
+        status: ``"loaded"``, ``"failed"``, ``"incompatible"`` (its requirement on kwplug
+            excludes this version; see :mod:`kwplug.compat`), ``"blocked"``
+            (``KWPLUG_BLOCK_PLUGINS``) or ``"disabled"`` (``KWPLUG_DISABLE_PLUGIN_AUTOLOAD``,
+            ``KWPLUG_PLUGINS``).
         hooks: names of the hooks the plugin implements (empty when not loaded).
         load_seconds: wall time spent importing and validating it, in seconds.
     """
@@ -165,6 +169,9 @@ def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
         plugin = plugin_object(attrs.evolve(record, obj=obj))
         pm.register(plugin, name=ep.name)
         pm.check_pending()
+        problem = device_types_problem(plugin)
+        if problem is not None:
+            raise TypeError(problem)
         hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
     except Exception as exc:  # any failure of third-party code must not take kwplug down
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, for tables
@@ -172,6 +179,18 @@ def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
             record, error=reason, status="failed", load_seconds=time.perf_counter() - start
         )
     return attrs.evolve(record, obj=obj, hooks=hooks, load_seconds=time.perf_counter() - start)
+
+
+_visible: Callable[[importlib_metadata.EntryPoint], bool] | None = None
+
+
+def set_visible(visible: Callable[[importlib_metadata.EntryPoint], bool] | None) -> None:
+    """Restrict discovery to the entry points ``visible`` accepts (``None``: all of them),
+    and forget the caches. Used by :class:`kwplug.testing.PluginSandbox` to isolate tests from
+    whatever else is installed."""
+    global _visible
+    _visible = visible
+    discover(refresh=True)
 
 
 @functools.cache
@@ -205,6 +224,18 @@ def _load_cached(ep: importlib_metadata.EntryPoint) -> PluginRecord:
         )
         warnings.warn(message, PluginLoadWarning, stacklevel=4)
         logger.debug(message)
+    return record
+
+
+@functools.cache
+def _incompatible(ep: importlib_metadata.EntryPoint, problem: str) -> PluginRecord:
+    distribution, version = _dist(ep)
+    record = PluginRecord(
+        ep.name, ep.value, distribution, version, error=problem, status="incompatible"
+    )
+    message = f"kwplug: handler plugin {record.describe()} is not loaded: {problem}"
+    warnings.warn(message, PluginLoadWarning, stacklevel=4)
+    logger.debug(message)
     return record
 
 
@@ -243,6 +274,7 @@ def discover(*, refresh: bool = False) -> tuple[PluginRecord, ...]:
     if refresh:
         _entry_points.cache_clear()
         _load_cached.cache_clear()
+        _incompatible.cache_clear()
         _discover.cache_clear()
     return _discover(LoadControls.from_env())
 
@@ -253,16 +285,22 @@ def _discover(controls: LoadControls) -> tuple[PluginRecord, ...]:
     # environment variables may change between calls (tests, notebooks).
     records = []
     for ep in _entry_points():
+        if _visible is not None and not _visible(ep):
+            continue
         distribution, version = _dist(ep)
-        status = controls.status(ep.name, distribution, distribution == _OWN_DISTRIBUTION)
-        if status is None:
+        builtin = distribution == _OWN_DISTRIBUTION
+        status = controls.status(ep.name, distribution, builtin)
+        problem = None if builtin or status is not None else api_problem(ep.dist)
+        if problem is not None:  # never imported: an incompatible plugin is not half-loaded
+            records.append(_incompatible(ep, problem))
+        elif status is None:
             records.append(_load_cached(ep))
         else:
             records.append(PluginRecord(ep.name, ep.value, distribution, version, status=status))
     if controls.allow or controls.block:
         _warn_unknown_once(controls, tuple(sorted((r.name, r.distribution) for r in records)))
     if controls.strict:
-        failed = [r for r in records if r.status == "failed"]
+        failed = [r for r in records if r.status in ("failed", "incompatible")]
         if failed:
             _discover.cache_clear()  # raise again next time
             raise PluginLoadError(

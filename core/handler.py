@@ -28,9 +28,14 @@ class KwargsHandler:
         register_default: class variable; when ``False``, kwplug does not register a default
             instance of this class, so it answers hooks only when the user passes an instance
             in ``kwargs_handlers`` (for opt-in wrappers such as FSDP).
+        device_types: class variable; the ``torch.device(...).type`` strings this handler
+            answers hooks for (e.g. ``frozenset({"xpu"})``), or ``None`` (default) for every
+            device. Two third-party handlers registered by default that claim the same
+            one-answer hook for the same device are a conflict (:mod:`kwplug.conflicts`).
     """
 
     register_default: ClassVar[bool] = True
+    device_types: ClassVar[frozenset[str] | None] = None
 
     @classmethod
     def is_attrs_class(cls) -> bool:

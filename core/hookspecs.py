@@ -36,6 +36,25 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 AutocastFactory = Callable[[], AbstractContextManager[Any]]
 
+#: How the answers of several plugins to one hook combine (see :mod:`kwplug.conflicts`).
+#: ``ONE_ANSWER``: the first non-``None`` answer wins, and two third-party defaults claiming
+#: the hook for the same device are an error. ``ADDITIVE``: every answer is merged; a name
+#: given twice is an error naming both sources. ``PER_PLUGIN``: each plugin's answer is kept
+#: apart, under the plugin's registered name.
+ONE_ANSWER = "one answer per device"
+ADDITIVE = "additive, unique names"
+PER_PLUGIN = "per plugin"
+HOOK_POLICY: dict[str, str] = {
+    "autocast": ONE_ANSWER,
+    "wrap_model": ONE_ANSWER,
+    "make_scaler": ONE_ANSWER,
+    "init_process_group": ONE_ANSWER,
+    "make_profiler": ONE_ANSWER,
+    "comm_hooks": ADDITIVE,
+    "handler_state": PER_PLUGIN,
+    "load_handler_state": PER_PLUGIN,
+}
+
 
 class HandlerSpec:
     """Hook specifications of the ``kwplug`` project (registered with ``add_hookspecs``)."""

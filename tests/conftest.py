@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["kwplug.testing"]
+
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 

@@ -11,6 +11,7 @@ import torch
 import kwplug
 from kwplug import AutocastKwargs, GradScalerKwargs, InitProcessGroupKwargs
 from kwplug.config import ConfigError, load_config
+from kwplug.testing import PluginSandbox
 
 GOOD = """
 mixed_precision = "fp16"
@@ -82,7 +83,9 @@ def test_mapping_and_overrides() -> None:
         ('mixed_precision = "fp8"', r"kwplug.toml: 'mixed_precision' must be one of"),
     ],
 )
-def test_errors_name_file_table_and_key(tmp_path: Path, text: str, message: str) -> None:
+def test_errors_name_file_table_and_key(
+    tmp_path: Path, text: str, message: str, kwplug_plugins: PluginSandbox
+) -> None:
     path = tmp_path / "kwplug.toml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):

@@ -27,6 +27,7 @@ from kwplug import DDPCommunicationHookType, DistributedDataParallelKwargs
 from kwplug.comm_hooks import CommHook
 from kwplug.handler import TO_KWARGS
 from kwplug.plugins import ddp_comm_hooks as hooks
+from kwplug.testing import PluginSandbox
 
 H = DDPCommunicationHookType
 DDPK = DistributedDataParallelKwargs
@@ -266,7 +267,7 @@ def test_accelerator_single_process_returns_plain_module() -> None:
     assert kwplug.Accelerator(cpu=True).prepare(model) is model
 
 
-def test_comm_hooks_contributed_once_by_the_plugin_module() -> None:
+def test_comm_hooks_contributed_once_by_the_plugin_module(kwplug_plugins: PluginSandbox) -> None:
     # The handler is both a default instance and (here) the user's: the hooks must still be
     # contributed once, by the ddp_comm_hooks module (entry point "ddp_comm_hooks").
     for handlers in ([], [DDPK()], [DDPK(comm_hook="fp16")]):

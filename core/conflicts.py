@@ -1,0 +1,111 @@
+"""The conflict policy: two third-party defaults may not both claim a one-answer hook.
+
+Each hook spec declares how several plugins' answers combine (``HOOK_POLICY`` in
+:mod:`kwplug.hookspecs`). For the one-answer hooks (``autocast``, ``wrap_model``,
+``make_scaler``, ``init_process_group``, ``make_profiler``) the first non-``None`` answer wins,
+so when two third-party plugins, both registered by default, implement one of them for the
+same device, which one acts would depend on the order of their distribution names. kwplug
+refuses to guess: the :class:`~kwplug.Accelerator` raises :class:`PluginConflictError` naming
+both plugins, with distribution and version, and how to choose.
+
+A plugin says which devices it answers for with a ``device_types`` attribute (a class
+variable of a handler, or a module-level name of a module plugin): a collection of
+``torch.device(...).type`` strings, e.g. ``frozenset({"xpu"})``. Without it, a plugin claims
+every device. Hook implementations marked ``tryfirst``/``trylast`` have declared their order
+and do not conflict. Handlers the user passes in ``kwargs_handlers`` never conflict: they
+answer first, and passing one is how a user chooses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Set
+from typing import Any
+
+import pluggy
+
+from kwplug.hookspecs import HOOK_POLICY, ONE_ANSWER
+
+
+class PluginConflictError(RuntimeError):
+    """Two third-party default plugins claim the same one-answer hook for the same device."""
+
+
+def device_types(plugin: Any) -> Set[str] | None:
+    """The device types ``plugin`` declares (``None``: every device)."""
+    declared = getattr(plugin, "device_types", None)
+    return None if declared is None else frozenset(declared)
+
+
+def device_types_problem(plugin: Any) -> str | None:
+    """Why ``plugin``'s ``device_types`` declaration is malformed, or ``None`` when it is fine
+    (absent, ``None``, or a non-empty collection of non-empty ``str``)."""
+    declared = getattr(plugin, "device_types", None)
+    if declared is None:
+        return None
+    if (
+        isinstance(declared, (str, bytes))
+        or not isinstance(declared, Collection)
+        or not declared
+        or not all(isinstance(d, str) and d for d in declared)
+    ):
+        return (
+            f"device_types must be None or a non-empty collection of device type strings "
+            f"such as frozenset({{'cuda'}}), got {declared!r}"
+        )
+    return None
+
+
+def find_conflicts(
+    pm: pluggy.PluginManager,
+    third_party: Callable[[str], bool],
+    device_type: str,
+    describe: Callable[[str], str],
+) -> list[str]:
+    """One message per one-answer hook that two or more third-party defaults claim for
+    ``device_type`` (empty when there is no conflict)."""
+    messages = []
+    for hook_name, policy in HOOK_POLICY.items():
+        if policy != ONE_ANSWER:
+            continue
+        claimants = [
+            impl.plugin_name
+            for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls())
+            if third_party(impl.plugin_name)
+            and not (impl.tryfirst or impl.trylast)
+            and _claims(impl.plugin, device_type)
+        ]
+        if len(claimants) > 1:
+            names = " and ".join(describe(n) for n in claimants)
+            messages.append(f"hook {hook_name!r} for device {device_type!r}: {names}")
+    return messages
+
+
+def check_conflicts(
+    pm: pluggy.PluginManager,
+    third_party: Callable[[str], bool],
+    device_type: str,
+    describe: Callable[[str], str],
+) -> None:
+    """Raise :class:`PluginConflictError` if :func:`find_conflicts` finds any.
+
+    Raises:
+        PluginConflictError: naming every conflicting hook and plugin, and the two ways to
+            choose (pass one plugin's handler in ``kwargs_handlers``, or block the others with
+            ``KWPLUG_BLOCK_PLUGINS`` / allow-list with ``KWPLUG_PLUGINS``).
+    """
+    conflicts = find_conflicts(pm, third_party, device_type, describe)
+    if conflicts:
+        raise PluginConflictError(
+            "kwplug: third-party plugins installed with default handlers both claim the same "
+            "hook, and kwplug will not pick one by name order: "
+            + "; ".join(conflicts)
+            + ". Choose one: pass its handler in kwargs_handlers (it then answers first), or "
+            "block the other by the name `kwplug plugins` shows (KWPLUG_BLOCK_PLUGINS=name, or "
+            "allow-list with KWPLUG_PLUGINS); a plugin for other devices should declare "
+            "device_types."
+        )
+
+
+def _claims(plugin: Any, device_type: str) -> bool:
+    declared = device_types(plugin)
+    return declared is None or device_type in declared

@@ -1,0 +1,28 @@
+"""``kwplug.testing``: the kit for testing kwplug handler plugins (and kwplug itself).
+
+Enable the pytest fixtures in a plugin's ``conftest.py`` with
+``pytest_plugins = ["kwplug.testing"]``. The fixture ``kwplug_plugins`` is a
+:class:`PluginSandbox` (discovery isolated to kwplug's built-ins and the plugins the test adds
+or keeps, ``KWPLUG_*`` variables cleared); ``kwplug_plugin_manager`` is the
+``pluggy.PluginManager`` built in that sandbox. :func:`check_handler` is the conformance check
+of a handler class, and :func:`run_distributed` calls a function in N CPU processes under
+torchrun (gloo). The fixtures need pytest (``pip install "kwplug[testing]"``).
+"""
+
+from __future__ import annotations
+
+from kwplug.testing.conformance import check_handler, conformance_problems
+from kwplug.testing.distributed import DistributedRunError, free_port, run_distributed
+from kwplug.testing.fixtures import kwplug_plugin_manager, kwplug_plugins
+from kwplug.testing.sandbox import PluginSandbox
+
+__all__ = [
+    "DistributedRunError",
+    "PluginSandbox",
+    "check_handler",
+    "conformance_problems",
+    "free_port",
+    "kwplug_plugin_manager",
+    "kwplug_plugins",
+    "run_distributed",
+]

@@ -1,0 +1,44 @@
+"""The process torchrun starts for :func:`kwplug.testing.run_distributed` (one per rank)."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import pickle
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def main(folder: Path) -> int:
+    rank = int(os.environ["RANK"])
+    target, args = pickle.loads((folder / "call.pkl").read_bytes())
+    module_name, _, qualname = target.partition(":")
+    try:
+        fn: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            fn = getattr(fn, part)
+        result = fn(*args)
+        (folder / f"rank_{rank}.pkl").write_bytes(pickle.dumps(result))
+    except BaseException:
+        (folder / f"rank_{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        _end_process_group()
+    return 0
+
+
+def _end_process_group() -> None:
+    import torch.distributed as dist
+
+    gc.collect()  # a DDP reducer must go before its process group
+    if dist.is_available() and dist.is_initialized():
+        time.sleep(0.05)  # let gloo's threads release the last collective's buffers
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

@@ -1,0 +1,213 @@
+"""Run a function in N CPU processes under ``torchrun`` (gloo on 127.0.0.1), bounded in time.
+
+This is PyTorch's own launcher (``python -m torch.distributed.run``) with a static rendezvous on
+a free local port; kwplug adds only the plumbing a test needs: the function is named by its
+import path, its arguments and every rank's return value travel as pickles through a temporary
+folder, and a failure or a timeout raises with what each rank printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+#: Environment variables of an enclosing torchrun job that must not leak into the child job.
+_TORCHRUN_VARIABLES = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+
+
+class DistributedRunError(AssertionError):
+    """A :func:`run_distributed` job failed or timed out; the message holds each rank's error
+    and the tail of the job's output (an ``AssertionError``, so pytest reports it as a failed
+    test)."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun_command(
+    target: Sequence[str], *, nproc: int = 2, torchrun_args: Sequence[str] = ()
+) -> list[str]:
+    """``python -m torch.distributed.run`` for ``nproc`` local processes and a free port.
+
+    Args:
+        target: what torchrun runs: ``["script.py", *args]`` or ``["-m", "module", *args]``.
+        nproc: processes on this node (``--nproc-per-node``), >= 1.
+        torchrun_args: extra torchrun options (e.g. ``["--max-restarts=1"]``); a
+            ``--rdzv-backend`` option replaces the default static rendezvous.
+
+    Raises:
+        ValueError: ``nproc < 1``.
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
+    rendezvous: list[str] = []
+    if not any(a.startswith("--rdzv-backend") for a in torchrun_args):
+        rendezvous = ["--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        *rendezvous,
+        *torchrun_args,
+        *target,
+    ]
+
+
+def child_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a child torchrun job: one thread per process
+    (``OMP_NUM_THREADS=1``, so ranks share the cores fairly), the enclosing job's torchrun
+    variables removed, then ``env`` on top."""
+    full = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in _TORCHRUN_VARIABLES:
+        full.pop(name, None)
+    full.update(env or {})
+    return full
+
+
+def run_bounded(
+    cmd: Sequence[str], *, timeout: float, env: Mapping[str, str], cwd: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` (stdout and stderr together) in its own session, bounded in time.
+
+    After ``timeout`` seconds torchrun gets ``SIGTERM`` (it stops its workers), then the
+    session gets ``SIGKILL``, and :class:`DistributedRunError` is raised with the output so
+    far. Output goes to a file, not a pipe, so a stray worker cannot keep the caller waiting.
+    """
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(
+            list(cmd),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            cwd=cwd,
+            start_new_session=True,
+            text=True,
+        )
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            out.seek(0)
+            raise DistributedRunError(
+                f"timed out after {timeout:g} s: {' '.join(cmd)}\n--- output ---\n"
+                f"{out.read()[-8000:]}"
+            ) from None
+        out.seek(0)
+        return subprocess.CompletedProcess(list(cmd), proc.returncode, out.read(), "")
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def importable_name(fn: Callable[..., Any]) -> tuple[str, str]:
+    """``("module:qualname", sys.path root)`` of a module-level function, so that a fresh
+    interpreter can import it.
+
+    Raises:
+        ValueError: ``fn`` is a lambda, a nested function, or defined in ``__main__``.
+    """
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or "<" in qualname:
+        raise ValueError(
+            f"run_distributed needs a module-level function that a new process can import; "
+            f"{qualname or fn!r} in module {module!r} is not (define it at the top of a module)"
+        )
+    source = inspect.getsourcefile(fn)
+    root = Path(source).resolve().parent if source else Path.cwd()
+    # A package module a.b.c lives two folders below the root that makes it importable.
+    for _ in range(module.count(".")):
+        root = root.parent
+    return f"{module}:{qualname}", str(root)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    *args: Any,
+    nproc: int = 2,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    torchrun_args: Sequence[str] = (),
+) -> list[Any]:
+    """Call ``fn(*args)`` in ``nproc`` CPU processes under torchrun; return each rank's result.
+
+    Each process has torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` set
+    (a ``kwplug.Accelerator`` built in ``fn`` joins a gloo process group); the process group,
+    if any, is destroyed after ``fn`` returns.
+
+    Args:
+        fn: a module-level function (importable by a new interpreter, e.g. defined in a test
+            module); ``args`` and its return value must be picklable.
+        nproc: number of processes (``--nproc-per-node``), default 2.
+        timeout: seconds for the whole job, start-up included (default 120); the process tree
+            is killed after it.
+        env: extra environment variables for the job.
+        torchrun_args: extra torchrun options.
+
+    Returns:
+        ``fn``'s return values, indexed by rank.
+
+    Raises:
+        ValueError: ``fn`` cannot be imported by name (see :func:`importable_name`).
+        DistributedRunError: a rank raised (its traceback is in the message), the job exited
+            with an error, or it ran past ``timeout``.
+    """
+    target, root = importable_name(fn)
+    with tempfile.TemporaryDirectory(prefix="kwplug-run-") as tmp:
+        folder = Path(tmp)
+        (folder / "call.pkl").write_bytes(pickle.dumps((target, args)))
+        cmd = torchrun_command(
+            ["-m", "kwplug.testing._worker", str(folder)],
+            nproc=nproc,
+            torchrun_args=torchrun_args,
+        )
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        result = run_bounded(
+            cmd, timeout=timeout, env=child_environment({"PYTHONPATH": path, **(env or {})})
+        )
+        errors = [
+            f"--- rank {rank} raised ---\n{(folder / f'rank_{rank}.err').read_text()}"
+            for rank in range(nproc)
+            if (folder / f"rank_{rank}.err").is_file()
+        ]
+        missing = [r for r in range(nproc) if not (folder / f"rank_{r}.pkl").is_file()]
+        if result.returncode != 0 or errors or missing:
+            raise DistributedRunError(
+                f"{target} failed in {nproc} processes (exit status {result.returncode}; "
+                f"no result from rank(s) {missing})\n"
+                + "\n".join(errors)
+                + f"\n--- output ---\n{result.stdout[-8000:]}"
+            )
+        return [pickle.loads((folder / f"rank_{r}.pkl").read_bytes()) for r in range(nproc)]

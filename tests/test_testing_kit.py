@@ -1,0 +1,258 @@
+"""kwplug.testing: the conformance check, the sandbox and the torchrun helper."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+import attrs
+import pytest
+import torch
+
+import kwplug
+from kwplug import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProfileKwargs,
+    hookimpl,
+)
+from kwplug.testing import (
+    DistributedRunError,
+    PluginSandbox,
+    check_handler,
+    conformance_problems,
+    run_distributed,
+)
+
+# -- check_handler -----------------------------------------------------------------------
+
+BUILTIN_EXAMPLES: list[tuple[type[KwargsHandler], dict[str, Any], tuple[str, ...]]] = [
+    (AutocastKwargs, {"enabled": False, "cache_enabled": True}, ()),
+    (GradScalerKwargs, {"init_scale": 1024.0, "growth_interval": 100, "enabled": False}, ()),
+    (InitProcessGroupKwargs, {"backend": "gloo", "init_method": "env://"}, ()),
+    (DistributedDataParallelKwargs, {"bucket_cap_mb": 10, "comm_hook": "bf16"}, ()),
+    (ProfileKwargs, {"record_shapes": True, "with_flops": True}, ()),
+]
+
+
+@pytest.mark.parametrize(("cls", "examples", "accepts_any"), BUILTIN_EXAMPLES)
+def test_builtin_handlers_conform(
+    cls: type[KwargsHandler], examples: dict[str, Any], accepts_any: tuple[str, ...]
+) -> None:
+    check_handler(cls, examples=examples, accepts_any=accepts_any)
+
+
+@attrs.define
+class Conforming(KwargsHandler):
+    """A minimal well-behaved third-party handler."""
+
+    dtype: str = attrs.field(default="bf16", validator=attrs.validators.in_(("bf16", "fp16")))
+
+    @hookimpl
+    def autocast(self) -> None:
+        return None
+
+
+@attrs.define
+class Sloppy(KwargsHandler):
+    """Everything a handler should not do."""
+
+    anything: Any = None  # no validator: accepts nonsense
+    required: int = attrs.field(kw_only=True)  # no default
+
+    @hookimpl
+    def autocats(self) -> None:  # misspelt hook name
+        return None
+
+
+class NotAttrs(KwargsHandler):
+    pass
+
+
+@attrs.define
+class NoHooks(KwargsHandler):
+    size: int = attrs.field(default=1, validator=attrs.validators.instance_of(int))
+
+
+@attrs.define
+class Unpicklable(KwargsHandler):
+    callback: Any = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+    )
+
+    @hookimpl
+    def autocast(self) -> None:
+        return None
+
+
+@attrs.define
+class WrongDevices(Conforming):
+    device_types: ClassVar[Any] = frozenset({""})
+
+
+def test_a_conforming_third_party_handler_passes() -> None:
+    check_handler(Conforming, examples={"dtype": "fp16"})
+
+
+def test_every_problem_is_listed_at_once() -> None:
+    problems = conformance_problems(Sloppy)
+    assert problems == [
+        "field 'required' has no default",
+        "Sloppy() raised TypeError: " + (problems[1].split("TypeError: ", 1)[1]),
+    ]
+    with pytest.raises(AssertionError, match="does not conform"):
+        check_handler(Sloppy)
+
+
+def test_problems_found() -> None:
+    assert conformance_problems(int) == ["<class 'int'> is not a subclass of kwplug.KwargsHandler"]
+    assert conformance_problems(NotAttrs) == ["NotAttrs is not decorated with @attrs.define"]
+    assert any("no kwplug hook" in p for p in conformance_problems(NoHooks))
+    assert any("device_types must be" in p for p in conformance_problems(WrongDevices))
+    problems = conformance_problems(Unpicklable, examples={"callback": lambda: None})
+    assert any("cannot be pickled" in p for p in problems), problems
+    assert any(
+        "equals the default" in p
+        for p in conformance_problems(Conforming, examples={"dtype": "bf16"})
+    )
+    assert any(
+        "unknown field 'nope'" in p for p in conformance_problems(Conforming, accepts_any=["nope"])
+    )
+
+
+@attrs.define
+class AcceptsAnything(KwargsHandler):
+    payload: Any = None
+
+    @hookimpl
+    def autocast(self) -> None:
+        return None
+
+
+def test_fields_that_accept_anything_are_declared() -> None:
+    assert conformance_problems(AcceptsAnything) == [
+        "AcceptsAnything(payload=<nonsense>) was accepted",
+        "assigning nonsense to payload was accepted (validators on setattr?)",
+    ]
+    check_handler(AcceptsAnything, accepts_any=["payload"])
+
+
+@attrs.define
+class Misspelt(KwargsHandler):
+    @hookimpl
+    def wrap_modle(self) -> None:
+        return None
+
+
+def test_misspelt_hook_is_reported() -> None:
+    problems = conformance_problems(Misspelt)
+    assert problems == [
+        "invalid hook implementation: unknown hook 'wrap_modle' in plugin Misspelt()"
+    ], problems
+
+
+# -- the sandbox ---------------------------------------------------------------------------
+
+
+@attrs.define
+class ScalerOff(KwargsHandler):
+    register_default: ClassVar[bool] = True
+
+    @hookimpl
+    def make_scaler(self) -> Any:
+        return torch.amp.GradScaler("cpu", enabled=False)
+
+
+def test_sandbox_isolates_discovery_and_restores_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KWPLUG_PLUGINS", "")  # would hide every third-party plugin
+
+    def listing() -> list[tuple[str, str, str]]:
+        return [(r.name, r.distribution, r.status) for r in kwplug.discover()]
+
+    before = listing()
+    with PluginSandbox() as sandbox:
+        assert "KWPLUG_PLUGINS" not in os.environ
+        assert {r.distribution for r in sandbox.records()} == {"kwplug"}
+        record = sandbox.add(ScalerOff, name="scaler-off", distribution="kwplug-scaler-off")
+        assert (record.status, record.hooks, record.source) == (
+            "loaded",
+            ("make_scaler",),
+            "third-party",
+        )
+        accelerator = sandbox.accelerator(mixed_precision="fp16")
+        assert accelerator.plan["make_scaler"].plugin == "kwplug-scaler-off:scaler-off"
+        assert accelerator.scaler is not None and not accelerator.scaler.is_enabled()
+    assert os.environ["KWPLUG_PLUGINS"] == ""
+    assert listing() == before
+    assert all(name != "scaler-off" for name, _, _ in listing())
+
+
+def test_fixture_manager_has_the_builtins(kwplug_plugin_manager: Any) -> None:
+    names = {name for name, _ in kwplug_plugin_manager.list_name_plugin()}
+    assert "kwplug:ddp" in names and "kwplug:autocast" in names
+
+
+def test_sandbox_refuses_what_an_entry_point_cannot_name(kwplug_plugins: PluginSandbox) -> None:
+    @attrs.define
+    class Local(KwargsHandler):
+        pass
+
+    with pytest.raises(ValueError, match="top level of an importable module"):
+        kwplug_plugins.add(Local)
+    with pytest.raises(ValueError, match="not an instance"):
+        kwplug_plugins.add(Conforming())
+    kwplug_plugins.add(Conforming, name="c")
+    with pytest.raises(ValueError, match="already added"):
+        kwplug_plugins.add(Conforming, name="c")
+
+
+# -- run_distributed -----------------------------------------------------------------------
+
+
+def all_reduce_rank(scale: int) -> dict[str, Any]:
+    """Runs on every rank: an Accelerator joins gloo, all-reduces the rank."""
+    accelerator = kwplug.Accelerator()
+    total = accelerator.reduce(torch.tensor(float(accelerator.process_index * scale)))
+    return {
+        "rank": accelerator.process_index,
+        "world_size": accelerator.num_processes,
+        "backend": torch.distributed.get_backend(),
+        "total": total.item(),
+    }
+
+
+def fail_on_rank_one() -> None:
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one is unhappy")
+
+
+def sleep_forever() -> None:
+    import time
+
+    time.sleep(600)
+
+
+def test_run_distributed_returns_each_ranks_result() -> None:
+    results = run_distributed(all_reduce_rank, 10, nproc=2, timeout=120)
+    assert results == [
+        {"rank": 0, "world_size": 2, "backend": "gloo", "total": 10.0},
+        {"rank": 1, "world_size": 2, "backend": "gloo", "total": 10.0},
+    ]
+
+
+def test_run_distributed_reports_the_failing_rank() -> None:
+    with pytest.raises(DistributedRunError, match=r"(?s)rank 1 raised.*ValueError: rank one"):
+        run_distributed(fail_on_rank_one, nproc=2, timeout=120)
+
+
+def test_run_distributed_kills_a_job_past_its_timeout() -> None:
+    with pytest.raises(DistributedRunError, match="timed out after 15 s"):
+        run_distributed(sleep_forever, nproc=1, timeout=15)
+
+
+def test_run_distributed_needs_an_importable_function() -> None:
+    with pytest.raises(ValueError, match="module-level function"):
+        run_distributed(lambda: None)
