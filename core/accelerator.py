@@ -6,7 +6,6 @@ import contextlib
 import gc
 import logging
 import os
-import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from kwplug import checkpoint, discovery
+from kwplug import checkpoint, discovery, sharded
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
 from kwplug.conflicts import check_conflicts
 from kwplug.data import PreparedDataLoader, prepare_dataloader
@@ -438,13 +437,11 @@ class Accelerator:
         self.wait_for_everyone()
         staging = checkpoint.staging_dir(directory)
         # Sharded (FSDP2) models and their optimizers are gathered by collectives: every rank.
-        full_models, full_optimizers = self._gather_sharded_states()
+        modules = [self.unwrap_model(m) for m in self._models]
+        full_models, full_optimizers = sharded.gather_full_states(modules, self._optimizers)
         if self.is_main_process:
-            for i, model in enumerate(self._models):
-                if i in full_models:
-                    state = full_models[i]
-                else:
-                    state = self.unwrap_model(model).state_dict()
+            for i, module in enumerate(modules):
+                state = full_models[i] if i in full_models else module.state_dict()
                 checkpoint.atomic_save(state, staging / f"model_{i}.pt")
             for i, optimizer in enumerate(self._optimizers):
                 state = full_optimizers[i] if i in full_optimizers else optimizer.state_dict()
@@ -506,18 +503,19 @@ class Accelerator:
                 f"{directory} was saved by {per_rank['world_size']} processes, this run has "
                 f"{self.num_processes}"
             )
-        sharded_optimizers = self._sharded_optimizers()
-        for i, model in enumerate(self._models):
-            if _is_sharded(self.unwrap_model(model)):
-                self._load_sharded_model(self.unwrap_model(model), directory / f"model_{i}.pt")
+        modules = [self.unwrap_model(m) for m in self._models]
+        owners = sharded.optimizer_owners(modules, self._optimizers)
+        main = self.is_main_process
+        for i, module in enumerate(modules):
+            if sharded.is_sharded(module):  # a collective: rank 0 reads, all ranks load
+                sharded.load_full_model(module, directory / f"model_{i}.pt", is_main_process=main)
                 continue
             state = torch.load(directory / f"model_{i}.pt", map_location=self.device)
-            self.unwrap_model(model).load_state_dict(state)
+            module.load_state_dict(state)
         for i, optimizer in enumerate(self._optimizers):
-            if i in sharded_optimizers:
-                self._load_sharded_optimizer(
-                    sharded_optimizers[i], optimizer, directory / f"optimizer_{i}.pt"
-                )
+            if i in owners:
+                path = directory / f"optimizer_{i}.pt"
+                sharded.load_full_optimizer(owners[i], optimizer, path, is_main_process=main)
                 continue
             state = torch.load(directory / f"optimizer_{i}.pt", map_location=self.device)
             optimizer.load_state_dict(state)
@@ -541,91 +539,6 @@ class Accelerator:
         checkpoint.set_rng_state(per_rank["rng"], self.device)
         self.wait_for_everyone()
         return directory
-
-    # Sharded models (parameters that are DTensors, e.g. from FSDP2's fully_shard) are saved
-    # as full, unsharded state dicts through torch.distributed.checkpoint.state_dict: the
-    # model file has the same keys and shapes as an unsharded model's state_dict(); the
-    # optimizer file is keyed by parameter name (torch's "full optimizer state dict").
-
-    def _sharded_optimizers(self) -> dict[int, torch.nn.Module]:
-        """Index of each prepared optimizer stepping a sharded model's parameters -> that
-        (unwrapped) model.
-
-        Raises:
-            NotImplementedError: an optimizer holds parameters of a sharded model and
-                parameters outside it.
-        """
-        owners: dict[int, torch.nn.Module] = {}
-        for model in self._models:
-            module = self.unwrap_model(model)
-            if _is_sharded(module):
-                owners.update((id(p), module) for p in module.parameters())
-        if not owners:
-            return {}
-        found: dict[int, torch.nn.Module] = {}
-        for i, optimizer in enumerate(self._optimizers):
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            models = {id(owners[id(p)]): owners[id(p)] for p in params if id(p) in owners}
-            if not models:
-                continue
-            if len(models) > 1 or any(id(p) not in owners for p in params):
-                raise NotImplementedError(
-                    f"checkpointing optimizer {i}: it steps parameters of a sharded model "
-                    "together with other parameters; give each sharded model its own optimizer"
-                )
-            found[i] = next(iter(models.values()))
-        return found
-
-    def _gather_sharded_states(self) -> tuple[dict[int, Any], dict[int, Any]]:
-        # Collectives: called on every rank, in the same order. With cpu_offload the full
-        # state is materialised on rank 0 only (the others get {}).
-        models: dict[int, Any] = {}
-        optimizers: dict[int, Any] = {}
-        sharded_optimizers = self._sharded_optimizers()
-        if not sharded_optimizers and not any(
-            _is_sharded(self.unwrap_model(m)) for m in self._models
-        ):
-            return models, optimizers
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        for i, model in enumerate(self._models):
-            module = self.unwrap_model(model)
-            if _is_sharded(module):
-                models[i] = get_model_state_dict(module, options=options)
-        for i, module in sharded_optimizers.items():
-            optimizer = _torch_optimizer(self._optimizers[i])
-            optimizers[i] = get_optimizer_state_dict(module, optimizer, options=options)
-        return models, optimizers
-
-    def _load_sharded_model(self, module: torch.nn.Module, path: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-        )
-
-        # Rank 0 reads the full state and broadcasts it; each rank keeps its own shards.
-        state = torch.load(path, map_location="cpu") if self.is_main_process else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(module, state, options=options)
-
-    def _load_sharded_optimizer(
-        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path
-    ) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
-
-        state = (
-            torch.load(path, map_location="cpu", weights_only=False) if self.is_main_process else {}
-        )
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_optimizer_state_dict(module, _torch_optimizer(optimizer), state, options=options)
 
     def _collect_handler_state(self) -> dict[str, Any]:
         # By registered plugin name, so that each plugin gets its own state back.
@@ -707,17 +620,6 @@ class Accelerator:
 
 def _loader_state(loader: DataLoader[Any]) -> dict[str, int] | None:
     return loader.state_dict() if isinstance(loader, PreparedDataLoader) else None
-
-
-def _is_sharded(module: torch.nn.Module) -> bool:
-    # No DTensor exists unless torch.distributed.tensor was imported: skip importing it here.
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in module.parameters())
-
-
-def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    # torch.distributed.checkpoint works on the optimizer itself, not on the scaler's wrapper.
-    return optimizer.optimizer if isinstance(optimizer, ScaledOptimizer) else optimizer
 
 
 def _comm_hook_states(model: torch.nn.Module) -> list[tuple[Any, Any]]:

@@ -37,6 +37,11 @@ class CommHook:
             process group exists; ``None`` means the state is the process group itself (the
             convention of ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``).
         source: who provided it (a distribution or ``"kwplug.register_comm_hook"``), for errors.
+        check_options: optional ``check_options(comm_state_option) -> None`` that raises
+            ``TypeError``/``ValueError`` for options ``make_state`` would refuse, without a
+            process group; kwplug calls it when the hook is selected in a single process
+            (where DDP is not used and ``make_state`` never runs), so a bad option fails there
+            too.
     """
 
     name: str = attrs.field(validator=attrs.validators.instance_of(str))
@@ -45,6 +50,25 @@ class CommHook:
         default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
     )
     source: str = "unknown"
+    check_options: Callable[[Mapping[str, Any]], None] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+    )
+
+    def check(self, options: Mapping[str, Any]) -> None:
+        """Validate ``options`` (``comm_state_option``) without building the state.
+
+        Raises:
+            ValueError: ``options`` is not empty but the hook takes no state options.
+            TypeError, ValueError: from ``check_options``.
+        """
+        if self.make_state is None:
+            if options:
+                raise ValueError(
+                    f"comm_state_option {dict(options)!r} given, but communication hook "
+                    f"{self.name!r} (from {self.source}) takes no state options"
+                )
+        elif self.check_options is not None:
+            self.check_options(options)
 
     def build_state(
         self, process_group: dist.ProcessGroup | None, options: Mapping[str, Any]
@@ -55,11 +79,7 @@ class CommHook:
             ValueError: ``options`` is not empty but the hook takes no state options.
         """
         if self.make_state is None:
-            if options:
-                raise ValueError(
-                    f"comm_state_option {dict(options)!r} given, but communication hook "
-                    f"{self.name!r} (from {self.source}) takes no state options"
-                )
+            self.check(options)
             return process_group
         return self.make_state(process_group, options)
 
@@ -68,7 +88,12 @@ _REGISTRY: dict[str, CommHook] = {}
 
 
 def register_comm_hook(
-    name: str, hook: HookFn, *, make_state: StateFactory | None = None, replace: bool = False
+    name: str,
+    hook: HookFn,
+    *,
+    make_state: StateFactory | None = None,
+    check_options: Callable[[Mapping[str, Any]], None] | None = None,
+    replace: bool = False,
 ) -> CommHook:
     """Register a DDP communication hook under ``name`` for this process.
 
@@ -78,6 +103,8 @@ def register_comm_hook(
             torch.futures.Future[torch.Tensor]``.
         make_state: optional ``make_state(process_group, comm_state_option) -> state``; without
             it the hook's state is the process group (``None`` = default group).
+        check_options: optional ``check_options(comm_state_option) -> None`` validating the
+            options without a process group (see :class:`CommHook`).
         replace: allow replacing a hook registered earlier under the same name.
 
     Returns:
@@ -95,7 +122,9 @@ def register_comm_hook(
         raise ValueError(
             f"communication hook {name!r} is already registered; pass replace=True to replace it"
         )
-    record = CommHook(name, hook, make_state, source="kwplug.register_comm_hook")
+    record = CommHook(
+        name, hook, make_state, source="kwplug.register_comm_hook", check_options=check_options
+    )
     _REGISTRY[name] = record
     return record
 

@@ -100,7 +100,8 @@ def build_handler(name: str, options: Any, where: str = "<mapping>") -> KwargsHa
         ConfigError: see :func:`load_config`.
     """
     place = f"{where}: [handlers.{name}]"
-    records = [r for r in discover() if r.loaded and r.handler_class is not None]
+    everything = discover()
+    records = [r for r in everything if r.loaded and r.handler_class is not None]
     matches = [r for r in records if name in (r.name, f"{r.distribution}:{r.name}")]
     if len(matches) > 1:
         raise ConfigError(
@@ -108,6 +109,16 @@ def build_handler(name: str, options: Any, where: str = "<mapping>") -> KwargsHa
             + ", ".join(f"{r.distribution}:{r.name}" for r in matches)
         )
     if not matches:
+        unavailable = [
+            r for r in everything if not r.loaded and name in (r.name, f"{r.distribution}:{r.name}")
+        ]
+        if unavailable:  # installed, but not loaded: say why, not "unknown"
+            r = unavailable[0]
+            why = f"{r.status}: {r.error}" if r.error else r.status
+            raise ConfigError(
+                f"{place}: handler plugin {r.describe()} is installed but not loaded ({why}); "
+                "see `kwplug plugins` and the KWPLUG_* loading controls"
+            )
         known = ", ".join(sorted(r.name for r in records))
         raise ConfigError(f"{place}: no handler plugin named {name!r}; known: {known}")
     cls = matches[0].handler_class

@@ -303,9 +303,10 @@ class DistributedDataParallelKwargs(KwargsHandler):
                 annotation).
         """
         if world_size <= 1:
-            # Not wrapped; but a misspelt hook name must not pass single-process runs.
+            # Not wrapped; but a misspelt hook name or a bad option must not pass
+            # single-process runs.
             if isinstance(self.comm_hook, str) and self.comm_hook != DDPCommunicationHookType.NO:
-                self._record(comm_hooks)
+                self._record(comm_hooks).check(self.comm_state_option)
             return None
         hook, state = self._hook_and_state(comm_hooks, list(model.parameters()))
         device_ids = [device.index] if device.type != "cpu" and device.index is not None else None

@@ -95,3 +95,15 @@ def test_errors_name_file_table_and_key(
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="missing.toml: cannot read configuration"):
         kwplug.Accelerator.from_config(tmp_path / "missing.toml")
+
+
+def test_a_blocked_plugin_is_named_as_blocked_not_unknown(
+    kwplug_plugins: PluginSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KWPLUG_BLOCK_PLUGINS", "grad_scaler")
+    with pytest.raises(
+        ConfigError,
+        match=r"\[handlers.grad_scaler\]: handler plugin 'grad_scaler' \(kwplug 0.1.0\) is "
+        r"installed but not loaded \(blocked\)",
+    ):
+        load_config({"handlers": {"grad_scaler": {"init_scale": 2.0}}})

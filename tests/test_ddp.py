@@ -672,3 +672,34 @@ def test_misspelt_hook_name_fails_in_a_single_process_too() -> None:
     )
     with pytest.raises(ValueError, match="unknown communication hook 'bf17'.*'no'"):
         accelerator.prepare(torch.nn.Linear(2, 2))
+
+
+def _scaled_state(process_group: Any, options: Any) -> Any:
+    _check_scale(options)
+    return options["scale"]
+
+
+def _check_scale(options: Any) -> None:
+    if set(options) - {"scale"}:
+        raise ValueError(f"unknown option(s) {sorted(set(options) - {'scale'})}; accepted: scale")
+
+
+def test_check_options_runs_in_a_single_process() -> None:
+    # Without DDP (one process) make_state never runs; check_options still catches a typo.
+    kwplug.register_comm_hook(
+        "scaled", hooks.mean_allreduce_hook, make_state=_scaled_state, check_options=_check_scale
+    )
+    try:
+        handler = DistributedDataParallelKwargs(comm_hook="scaled", comm_state_option={"scal": 2})
+        accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
+        with pytest.raises(ValueError, match=r"unknown option\(s\) \['scal'\]; accepted: scale"):
+            accelerator.prepare(torch.nn.Linear(2, 1))
+        handler.comm_state_option = {"scale": 2}
+        model = torch.nn.Linear(2, 1)
+        assert accelerator.prepare(model) is model
+        record = accelerator.comm_hooks["scaled"]
+        assert record.build_state(None, {"scale": 3}) == 3
+        with pytest.raises(TypeError, match="callable"):
+            CommHook("x", hooks.mean_allreduce_hook, check_options=42)  # type: ignore[arg-type]
+    finally:
+        kwplug.unregister_comm_hook("scaled")

@@ -15,6 +15,7 @@ comm_state_option={"ratio": 0.01})``. Only kwplug's public API is used (``kwplug
 """
 
 from collections.abc import Mapping
+from typing import Any
 
 import kwplug
 from kwplug_compress.hooks import int8_bytes, int8_hook, topk_bytes, topk_count, topk_hook
@@ -31,6 +32,8 @@ __all__ = [
     "Int8State",
     "ResidualMemory",
     "TopKState",
+    "check_int8_options",
+    "check_topk_options",
     "comm_hooks",
     "int8_bytes",
     "int8_hook",
@@ -50,11 +53,26 @@ def comm_hooks() -> Mapping[str, kwplug.CommHook]:
     """kwplug's ``comm_hooks`` hook: the ``"int8"`` and ``"topk"`` hooks by name.
 
     Returns:
-        ``{"int8": CommHook("int8", int8_hook, make_int8_state), "topk": CommHook("topk",
-        topk_hook, make_topk_state)}``; kwplug records this plugin's entry point as their
-        source.
+        ``"int8"`` and ``"topk"`` :class:`kwplug.CommHook` records (hook, state factory and
+        option check); kwplug records this plugin's entry point as their source.
     """
     return {
-        "int8": kwplug.CommHook("int8", int8_hook, make_int8_state),
-        "topk": kwplug.CommHook("topk", topk_hook, make_topk_state),
+        "int8": kwplug.CommHook(
+            "int8", int8_hook, make_int8_state, check_options=check_int8_options
+        ),
+        "topk": kwplug.CommHook(
+            "topk", topk_hook, make_topk_state, check_options=check_topk_options
+        ),
     }
+
+
+def check_int8_options(options: Mapping[str, Any]) -> None:
+    """Validate the ``"int8"`` hook's ``comm_state_option`` without a process group
+    (kwplug calls it in single-process runs); raises as :func:`make_int8_state`."""
+    make_int8_state(None, options)
+
+
+def check_topk_options(options: Mapping[str, Any]) -> None:
+    """Validate the ``"topk"`` hook's ``comm_state_option`` without a process group
+    (kwplug calls it in single-process runs); raises as :func:`make_topk_state`."""
+    make_topk_state(None, options)

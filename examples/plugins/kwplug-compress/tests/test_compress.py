@@ -379,6 +379,26 @@ def test_blocking_removes_the_hook_names(monkeypatch: pytest.MonkeyPatch) -> Non
         accelerator.prepare(torch.nn.Linear(2, 1))
 
 
+@pytest.mark.parametrize(
+    ("hook", "options", "message"),
+    [
+        ("topk", {"ratio": 1.5}, r"comm_state_option\['ratio'\] of the 'topk' hook"),
+        ("topk", {"ratoi": 0.1}, r"unknown option\(s\) 'ratoi'"),
+        ("int8", {"chunk_size": 0}, r"comm_state_option\['chunk_size'\]"),
+    ],
+)
+def test_bad_option_fails_in_a_single_process_too(
+    hook: str, options: dict[str, Any], message: str
+) -> None:
+    handler = kwplug.DistributedDataParallelKwargs(comm_hook=hook, comm_state_option=options)
+    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
+    with pytest.raises(ValueError, match=message):
+        accelerator.prepare(torch.nn.Linear(2, 1))
+    good = kwplug.DistributedDataParallelKwargs(comm_hook=hook)
+    model = torch.nn.Linear(2, 1)
+    assert kwplug.Accelerator(cpu=True, kwargs_handlers=[good]).prepare(model) is model
+
+
 def test_sandbox_sees_only_kept_distributions(kwplug_plugins: Any) -> None:
     assert "topk" not in kwplug_plugins.accelerator(cpu=True).comm_hooks
     kwplug_plugins.keep_installed("kwplug-compress")

@@ -314,7 +314,9 @@ def test_blocked_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     (record,) = [r for r in plugins_json({"KWPLUG_BLOCK_PLUGINS": "fsdp"}) if r["name"] == "fsdp"]
     assert record["status"] == "blocked"
     monkeypatch.setenv("KWPLUG_BLOCK_PLUGINS", "fsdp")
-    with pytest.raises(ConfigError, match=r"\[handlers\.fsdp\].*no handler plugin named 'fsdp'"):
+    with pytest.raises(
+        ConfigError, match=r"\[handlers\.fsdp\].*'fsdp' \(kwplug-fsdp .*\(blocked\)"
+    ):
         kwplug.Accelerator.from_config({"handlers": {"fsdp": {"shard_modules": ["Linear"]}}})
 
 

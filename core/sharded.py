@@ -1,0 +1,126 @@
+"""Checkpoints of sharded models: full state dicts through ``torch.distributed.checkpoint``.
+
+A model whose parameters are ``DTensor`` shards (FSDP2's ``fully_shard``) cannot be saved with
+``model.state_dict()`` on rank 0: each rank holds only its shards. kwplug saves it as its
+*full* state dict, gathered with ``torch.distributed.checkpoint.state_dict``
+(``get_model_state_dict`` / ``get_optimizer_state_dict`` with
+``StateDictOptions(full_state_dict=True, cpu_offload=True)``), so the model file has the same
+keys and shapes as the unsharded model's ``state_dict()`` and loads without FSDP; the optimizer
+file is torch's full optimizer state dict, keyed by parameter name. Loading reads the files on
+rank 0 and broadcasts them (``set_*_state_dict(..., broadcast_from_rank0=True)``); each rank
+keeps its own shards. Every function here that gathers or broadcasts is a collective: call it
+on every rank, in the same order.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kwplug.optimizer import ScaledOptimizer
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """True when any parameter of ``module`` is a ``DTensor``."""
+    # No DTensor exists unless torch.distributed.tensor was imported: do not import it here.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in module.parameters())
+
+
+def optimizer_owners(
+    modules: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+) -> dict[int, torch.nn.Module]:
+    """Index of each optimizer that steps a sharded module's parameters -> that module.
+
+    Args:
+        modules: the prepared models, unwrapped.
+        optimizers: the prepared optimizers.
+
+    Raises:
+        NotImplementedError: an optimizer steps a sharded module's parameters together with
+            parameters outside it (torch's full optimizer state dict is per module).
+    """
+    owners: dict[int, torch.nn.Module] = {}
+    for module in modules:
+        if is_sharded(module):
+            owners.update((id(p), module) for p in module.parameters())
+    found: dict[int, torch.nn.Module] = {}
+    if not owners:
+        return found
+    for i, optimizer in enumerate(optimizers):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        mine = {id(owners[id(p)]): owners[id(p)] for p in params if id(p) in owners}
+        if not mine:
+            continue
+        if len(mine) > 1 or any(id(p) not in owners for p in params):
+            raise NotImplementedError(
+                f"checkpointing optimizer {i}: it steps parameters of a sharded model together "
+                "with other parameters; give each sharded model its own optimizer"
+            )
+        found[i] = next(iter(mine.values()))
+    return found
+
+
+def gather_full_states(
+    modules: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+) -> tuple[dict[int, Any], dict[int, Any]]:
+    """Full state dicts of the sharded modules and of their optimizers, by index (a
+    collective; with ``cpu_offload`` only rank 0 gets the tensors, the others ``{}``).
+
+    Raises:
+        NotImplementedError: see :func:`optimizer_owners`.
+    """
+    owners = optimizer_owners(modules, optimizers)
+    sharded = [i for i, module in enumerate(modules) if is_sharded(module)]
+    if not sharded:
+        return {}, {}
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    models = {i: get_model_state_dict(modules[i], options=options) for i in sharded}
+    states = {
+        i: get_optimizer_state_dict(module, _torch_optimizer(optimizers[i]), options=options)
+        for i, module in owners.items()
+    }
+    return models, states
+
+
+def load_full_model(module: torch.nn.Module, path: Path, *, is_main_process: bool) -> None:
+    """Load the full state dict at ``path`` (read on rank 0) into sharded ``module``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = torch.load(path, map_location="cpu") if is_main_process else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(module, state, options=options)
+
+
+def load_full_optimizer(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    *,
+    is_main_process: bool,
+) -> None:
+    """Load the full optimizer state dict at ``path`` (read on rank 0) into ``optimizer``,
+    which steps sharded ``module``."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    state = torch.load(path, map_location="cpu", weights_only=False) if is_main_process else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_optimizer_state_dict(module, _torch_optimizer(optimizer), state, options=options)
+
+
+def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    # torch.distributed.checkpoint works on the optimizer itself, not on the scaler's wrapper.
+    return optimizer.optimizer if isinstance(optimizer, ScaledOptimizer) else optimizer
