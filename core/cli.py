@@ -112,11 +112,17 @@ def explain(device_type: str, mixed_precision: str) -> dict[str, Any]:
     """For each hook: the plugins implementing it in call order, and for the side-effect-free
     hooks (``autocast``, ``make_scaler``) who answers and what would reach torch. The hooks
     that act (``init_process_group``, ``wrap_model``, ``make_profiler``) are not called; the
-    answering handler's resolved fields are shown instead."""
+    answering handler's resolved fields are shown instead. A hook that two third-party
+    defaults claim for ``device_type`` (an Accelerator would raise
+    :class:`~kwplug.conflicts.PluginConflictError`) has a ``conflict`` entry naming them."""
+    from kwplug.conflicts import find_conflicts
     from kwplug.dispatch import call_first
     from kwplug.registry import build_plugin_manager
 
-    pm, descriptions, _ = build_plugin_manager([], discover())
+    pm, descriptions, third_party = build_plugin_manager([], discover())
+    conflicts = find_conflicts(
+        pm, third_party.__contains__, device_type, lambda n: descriptions.get(n, n)
+    )
     report: dict[str, Any] = {}
     for hook_name in (
         "init_process_group",
@@ -130,7 +136,9 @@ def explain(device_type: str, mixed_precision: str) -> dict[str, Any]:
         entry: dict[str, Any] = {
             "order": [descriptions.get(i.plugin_name, i.plugin_name) for i in impls]
         }
-        if hook_name in ("autocast", "make_scaler"):
+        if hook_name in conflicts:
+            entry["conflict"] = conflicts[hook_name]
+        elif hook_name in ("autocast", "make_scaler"):
             answer = call_first(
                 pm, hook_name, {"device_type": device_type, "mixed_precision": mixed_precision}
             )
@@ -160,7 +168,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             print(f"\n{hook_name}")
             for position, name in enumerate(entry["order"], 1):
                 print(f"  {position}. {name}")
-            for key in ("answered_by", "reaches_torch", "fields"):
+            for key in ("conflict", "answered_by", "reaches_torch", "fields"):
                 if key in entry:
                     print(f"  {key}: {json.dumps(entry[key])}")
         return 0

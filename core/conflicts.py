@@ -60,10 +60,10 @@ def find_conflicts(
     third_party: Callable[[str], bool],
     device_type: str,
     describe: Callable[[str], str],
-) -> list[str]:
-    """One message per one-answer hook that two or more third-party defaults claim for
-    ``device_type`` (empty when there is no conflict)."""
-    messages = []
+) -> dict[str, str]:
+    """Hook name -> the plugins (described) that claim it for ``device_type``, for each
+    one-answer hook claimed by two or more third-party defaults (empty: no conflict)."""
+    found = {}
     for hook_name, policy in HOOK_POLICY.items():
         if policy != ONE_ANSWER:
             continue
@@ -75,9 +75,8 @@ def find_conflicts(
             and _claims(impl.plugin, device_type)
         ]
         if len(claimants) > 1:
-            names = " and ".join(describe(n) for n in claimants)
-            messages.append(f"hook {hook_name!r} for device {device_type!r}: {names}")
-    return messages
+            found[hook_name] = " and ".join(describe(n) for n in claimants)
+    return found
 
 
 def check_conflicts(
@@ -98,7 +97,10 @@ def check_conflicts(
         raise PluginConflictError(
             "kwplug: third-party plugins installed with default handlers both claim the same "
             "hook, and kwplug will not pick one by name order: "
-            + "; ".join(conflicts)
+            + "; ".join(
+                f"hook {hook!r} for device {device_type!r}: {names}"
+                for hook, names in conflicts.items()
+            )
             + ". Choose one: pass its handler in kwargs_handlers (it then answers first), or "
             "block the other by the name `kwplug plugins` shows (KWPLUG_BLOCK_PLUGINS=name, or "
             "allow-list with KWPLUG_PLUGINS); a plugin for other devices should declare "

@@ -114,3 +114,16 @@ def test_a_malformed_device_types_declaration_fails_that_plugin_only(
     assert record.status == "failed"
     assert "device_types" in (record.error or "")
     Accelerator()  # the others still work
+
+
+def test_explain_shows_the_conflict(kwplug_plugins: PluginSandbox) -> None:
+    from kwplug.cli import explain
+
+    kwplug_plugins.add(AutocastA, name="amp-a", distribution="kwplug-amp-a", version="1.2")
+    kwplug_plugins.add(AutocastB, name="amp-b", distribution="kwplug-amp-b", version="3.4")
+    report = explain("cpu", "bf16")
+    assert report["autocast"]["conflict"] == (
+        "default plugin 'amp-a' (kwplug-amp-a 1.2) and default plugin 'amp-b' (kwplug-amp-b 3.4)"
+    )
+    assert "answered_by" not in report["autocast"]
+    assert "conflict" not in explain("xpu", "bf16")["make_scaler"]
