@@ -27,7 +27,8 @@ def test_code_block_runs(
 ) -> None:
     if "# doctest: skip" in code:
         pytest.skip(
-            "block marked '# doctest: skip' (needs a GPU, a network or a package the page builds)"
+            "block marked '# doctest: skip': needs the package its page builds "
+            "(tests/test_tutorial.py installs it and runs these files)"
         )
     monkeypatch.chdir(tmp_path)
     script = tmp_path / "block.py"
