@@ -29,7 +29,7 @@ def plugin_rows(records: Sequence[PluginRecord]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "name": r.name,
-                "class": target if r.loaded else r.value,
+                "class": target if r.loaded else r.value.replace(":", "."),
                 "distribution": r.distribution,
                 "version": r.version,
                 "hooks": list(r.hooks),

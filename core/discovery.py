@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 import time
 import types
 import warnings
@@ -215,16 +217,29 @@ def _load_cached(ep: importlib_metadata.EntryPoint) -> PluginRecord:
             f"kwplug: handler plugin {record.describe()} failed to load and is skipped: "
             f"{record.error}"
         )
-        warnings.warn(message, PluginLoadWarning, stacklevel=4)
-        logger.debug(message)
+        _warn(message)
     elif record.load_seconds > SLOW_IMPORT_SECONDS:
         message = (
             f"kwplug: handler plugin {record.describe()} took {record.load_seconds:.1f} s to "
             "import; every process pays this at start-up"
         )
-        warnings.warn(message, PluginLoadWarning, stacklevel=4)
-        logger.debug(message)
+        _warn(message)
     return record
+
+
+_CORE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _warn(message: str) -> None:
+    # Point the warning at the user's line (the Accelerator(), the discover() call), not at
+    # kwplug's own frames, whatever depth the cached loaders are reached from.
+    frame = sys._getframe(1)
+    level = 2
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_CORE):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, PluginLoadWarning, stacklevel=level)
+    logger.debug(message)
 
 
 @functools.cache
@@ -234,8 +249,7 @@ def _incompatible(ep: importlib_metadata.EntryPoint, problem: str) -> PluginReco
         ep.name, ep.value, distribution, version, error=problem, status="incompatible"
     )
     message = f"kwplug: handler plugin {record.describe()} is not loaded: {problem}"
-    warnings.warn(message, PluginLoadWarning, stacklevel=4)
-    logger.debug(message)
+    _warn(message)
     return record
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import enum
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -230,9 +231,12 @@ class DistributedDataParallelKwargs(KwargsHandler):
             record = ddp_comm_hooks.builtin_comm_hooks()[name]
         if record is None:
             known = sorted({"no", *comm_hooks, *ddp_comm_hooks.BUILTIN_HOOK_NAMES})
+            by_lower = {k.lower(): k for k in known}
+            close = difflib.get_close_matches(name.lower(), list(by_lower), n=1)
+            hint = f"did you mean {by_lower[close[0]]!r}? " if close else ""
             raise ValueError(
                 f"unknown communication hook {name!r} in DistributedDataParallelKwargs."
-                f"comm_hook; known hooks: {_quoted(tuple(known))}. Register one with "
+                f"comm_hook; {hint}known hooks: {_quoted(tuple(known))}. Register one with "
                 "kwplug.register_comm_hook(name, hook) or contribute it from a plugin's "
                 "comm_hooks hook"
             )

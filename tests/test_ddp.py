@@ -674,6 +674,16 @@ def test_misspelt_hook_name_fails_in_a_single_process_too() -> None:
         accelerator.prepare(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize(
+    ("typo", "meant"), [("bf17", "bf16"), ("PowerSGD", "power_sgd"), ("BF16", "bf16")]
+)
+def test_misspelt_hook_name_gets_a_suggestion(typo: str, meant: str) -> None:
+    handler = DistributedDataParallelKwargs(comm_hook=typo)
+    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
+    with pytest.raises(ValueError, match=f"did you mean '{meant}'\\?"):
+        accelerator.prepare(torch.nn.Linear(2, 2))
+
+
 def _scaled_state(process_group: Any, options: Any) -> Any:
     _check_scale(options)
     return options["scale"]

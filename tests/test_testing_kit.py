@@ -256,3 +256,47 @@ def test_run_distributed_kills_a_job_past_its_timeout() -> None:
 def test_run_distributed_needs_an_importable_function() -> None:
     with pytest.raises(ValueError, match="module-level function"):
         run_distributed(lambda: None)
+
+
+def third_party_plugins() -> list[tuple[str, str]]:
+    """Runs on every rank: the third-party plugins this process loads."""
+    return sorted((r.distribution, r.name) for r in kwplug.discover() if not r.builtin and r.loaded)
+
+
+def test_run_distributed_ranks_see_the_sandbox(kwplug_plugins: PluginSandbox) -> None:
+    # Other plugins installed in this environment (the example plugins in CI) stay hidden.
+    kwplug_plugins.add(ScalerOff, name="scaler-off", distribution="kwplug-scaler-off")
+    expected = [("kwplug-scaler-off", "scaler-off")]
+    assert run_distributed(third_party_plugins, nproc=2, timeout=120) == [expected, expected]
+
+
+def test_run_distributed_headline_names_the_rank_that_raised_first() -> None:
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(fail_on_rank_one, nproc=2, timeout=120)
+    assert str(info.value).splitlines()[0] == (
+        "test_testing_kit:fail_on_rank_one: rank 1 raised ValueError: rank one is unhappy"
+    )
+
+
+@attrs.define
+class Subtle(KwargsHandler):
+    """Mistakes that are easy to miss."""
+
+    token: Any = attrs.field(factory=object, validator=attrs.validators.instance_of(object))
+    scale: float = 1.0  # annotated, but the unannotated field below turns auto_attribs off
+    size = attrs.field(default=1, validator=attrs.validators.instance_of(int))
+
+    @hookimpl
+    def autocast(self, device: str) -> None:  # the spec says device_type
+        return None
+
+
+def test_subtle_mistakes_are_explained() -> None:
+    problems = conformance_problems(Subtle, accepts_any=["token"])
+    assert problems[0] == (
+        "annotated attribute 'scale' is not an attrs field (annotate every attrs.field() too, "
+        "or mark it ClassVar)"
+    )
+    assert "\n" not in problems[1]
+    assert problems[1].endswith("the specs take: autocast(device_type, mixed_precision)")
+    assert any("field(s) ['token'] compare by identity" in p for p in problems), problems

@@ -11,6 +11,7 @@ empty and holds a changed field otherwise; instances compare by value and surviv
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -21,6 +22,7 @@ import pluggy
 from kwplug.conflicts import device_types_problem
 from kwplug.discovery import new_plugin_manager
 from kwplug.handler import TO_KWARGS, KwargsHandler
+from kwplug.hookspecs import PROJECT_NAME, HandlerSpec
 
 
 class _Nonsense:
@@ -50,6 +52,7 @@ def conformance_problems(
         for n in sorted((set(examples) | skip) - names)
     ]
     problems += [f"field {f.name!r} has no default" for f in fields if f.default is attrs.NOTHING]
+    problems += _lost_annotations(cls)
     try:
         default = cls()
     except Exception as exc:
@@ -62,8 +65,7 @@ def conformance_problems(
         problems.append(f"{cls.__qualname__}().to_kwargs() is {default.to_kwargs()!r}, not {{}}")
     if set(default.to_dict()) != names:
         problems.append("to_dict() does not hold exactly the constructor fields")
-    if cls() != default:
-        problems.append(f"two {cls.__qualname__}() instances are not equal (use attrs eq)")
+    problems += _equality_problems(cls, default)
     instances = [default]
     for field in fields:
         if field.name in examples:
@@ -105,16 +107,60 @@ def check_handler(
         )
 
 
+def _lost_annotations(cls: type[KwargsHandler]) -> list[str]:
+    # attrs.define ignores annotated class attributes when any field is an unannotated
+    # attrs.field(): the attribute then silently is not a constructor argument.
+    fields = {f.name for f in attrs.fields(cls)}
+    own = vars(cls).get("__annotations__", {})
+    return [
+        f"annotated attribute {name!r} is not an attrs field (annotate every attrs.field() "
+        "too, or mark it ClassVar)"
+        for name, annotation in own.items()
+        if name not in fields and "ClassVar" not in str(annotation)
+    ]
+
+
+def _equality_problems(cls: type[KwargsHandler], default: KwargsHandler) -> list[str]:
+    other = cls()
+    if other == default:
+        return []
+    unequal = [
+        f.name
+        for f in attrs.fields(cls)
+        if f.eq and getattr(other, f.name) != getattr(default, f.name)
+    ]
+    return [
+        f"two {cls.__qualname__}() instances are not equal: field(s) {unequal} compare by "
+        "identity (a default such as a lock or a fresh object); use a value, or "
+        "attrs.field(eq=False) for state that is not configuration"
+    ]
+
+
 def _hook_problems(handler: KwargsHandler) -> list[str]:
     pm = new_plugin_manager()
     try:
         pm.register(handler, name="handler")
         pm.check_pending()  # a misspelt hook name fails here instead of being ignored
     except pluggy.PluginValidationError as exc:
-        return [f"invalid hook implementation: {exc}"]
+        message = " ".join(str(exc).split())  # pluggy's text spans lines
+        return [f"invalid hook implementation: {message}{_spec_arguments(handler)}"]
     if not pm.get_hookcallers(handler):
         return ["implements no kwplug hook (mark methods with @kwplug.hookimpl)"]
     return []
+
+
+def _spec_arguments(handler: KwargsHandler) -> str:
+    # What each implemented spec accepts, so the fix is in the message.
+    specs = HandlerSpec.__dict__
+    parts = []
+    for name in dir(type(handler)):
+        function = getattr(type(handler), name, None)
+        opts = getattr(function, f"{PROJECT_NAME}_impl", None)
+        spec_name = (opts or {}).get("specname") or name
+        if opts is not None and spec_name in specs:
+            argnames = [a for a in inspect.signature(specs[spec_name]).parameters if a != "self"]
+            parts.append(f"{spec_name}({', '.join(argnames)})")
+    return f"; the specs take: {', '.join(parts)}" if parts else ""
 
 
 def _example_problems(

@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kwplug.testing.sandbox import active_environment
+
 #: Environment variables of an enclosing torchrun job that must not leak into the child job.
 _TORCHRUN_VARIABLES = (
     "WORLD_SIZE",
@@ -173,7 +175,9 @@ def run_distributed(
         nproc: number of processes (``--nproc-per-node``), default 2.
         timeout: seconds for the whole job, start-up included (default 120); the process tree
             is killed after it.
-        env: extra environment variables for the job.
+        env: extra environment variables for the job. Inside an active
+            :class:`~kwplug.testing.PluginSandbox` (the ``kwplug_plugins`` fixture), the ranks
+            see the sandbox's plugins (see :meth:`PluginSandbox.environment`).
         torchrun_args: extra torchrun options.
 
     Returns:
@@ -193,21 +197,26 @@ def run_distributed(
             nproc=nproc,
             torchrun_args=torchrun_args,
         )
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        # Inside a PluginSandbox, the ranks see the sandbox's plugins, not the environment's.
+        sandbox = active_environment()
+        path = [root, sandbox.get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")]
+        child_env = {**sandbox, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
         result = run_bounded(
-            cmd, timeout=timeout, env=child_environment({"PYTHONPATH": path, **(env or {})})
+            cmd, timeout=timeout, env=child_environment({**child_env, **(env or {})})
         )
-        errors = [
-            f"--- rank {rank} raised ---\n{(folder / f'rank_{rank}.err').read_text()}"
-            for rank in range(nproc)
-            if (folder / f"rank_{rank}.err").is_file()
-        ]
+        # The first traceback written is the cause; the others are usually its echo (peers
+        # losing their connection to the rank that died).
+        raised = sorted(folder.glob("rank_*.err"), key=lambda f: f.stat().st_mtime_ns)
         missing = [r for r in range(nproc) if not (folder / f"rank_{r}.pkl").is_file()]
-        if result.returncode != 0 or errors or missing:
+        if result.returncode != 0 or raised or missing:
+            headline = f"{target} failed in {nproc} processes (exit status {result.returncode})"
+            if raised:
+                first = raised[0].read_text().strip().splitlines()
+                headline = f"{target}: {raised[0].stem.replace('_', ' ')} raised {first[-1]}"
+            errors = [f"--- {f.stem.replace('_', ' ')} raised ---\n{f.read_text()}" for f in raised]
             raise DistributedRunError(
-                f"{target} failed in {nproc} processes (exit status {result.returncode}; "
-                f"no result from rank(s) {missing})\n"
+                f"{headline}\n(no result from rank(s) {missing})\n"
                 + "\n".join(errors)
-                + f"\n--- output ---\n{result.stdout[-8000:]}"
+                + f"\n--- output ---\n{result.stdout[-4000:]}"
             )
         return [pickle.loads((folder / f"rank_{r}.pkl").read_bytes()) for r in range(nproc)]

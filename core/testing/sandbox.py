@@ -29,6 +29,13 @@ from kwplug.loading import canonical
 from kwplug.registry import build_plugin_manager, check_handlers
 
 _CONTROL_PREFIX = "KWPLUG_"
+_ACTIVE: list[PluginSandbox] = []  # innermost last
+
+
+def active_environment() -> dict[str, str]:
+    """Environment variables that give a child process the innermost active sandbox's view
+    of plugins (empty when no sandbox is active); see :meth:`PluginSandbox.environment`."""
+    return _ACTIVE[-1].environment() if _ACTIVE else {}
 
 
 class PluginSandbox:
@@ -65,9 +72,12 @@ class PluginSandbox:
         for name in self._saved_env:
             del os.environ[name]
         discovery.set_visible(self._visible)
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         for root in self._roots:
             if root in sys.path:
                 sys.path.remove(root)
@@ -134,6 +144,18 @@ class PluginSandbox:
             if record.name == name and canonical(record.distribution) == canonical(distribution):
                 return record
         raise AssertionError(f"entry point {name!r} of {distribution!r} was not discovered")
+
+    def environment(self) -> dict[str, str]:
+        """Environment variables under which a child process sees the plugins this sandbox
+        shows: the sandbox's folders on ``PYTHONPATH`` and, unless the test set its own,
+        ``KWPLUG_PLUGINS`` allowing exactly the kept and added distributions' entry points.
+        :func:`kwplug.testing.run_distributed` applies it to its processes."""
+        env: dict[str, str] = {}
+        path = [*reversed(self._roots), os.environ.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+        if "KWPLUG_PLUGINS" not in os.environ:
+            env["KWPLUG_PLUGINS"] = ",".join(sorted(self._keep | self._added))
+        return env
 
     def records(self, *, refresh: bool = False) -> tuple[discovery.PluginRecord, ...]:
         """What :func:`kwplug.discover` sees in the sandbox, in precedence order."""
