@@ -30,7 +30,7 @@ from kwplug_compress import (
 from kwplug_compress.measure import BASELINE, count_collective_bytes, train_and_measure
 
 import kwplug
-from kwplug.testing import run_distributed
+from kwplug.testing import PluginSandbox, run_distributed
 
 NUMEL = 1537  # odd, and not a multiple of the chunk size: the last chunk is short
 CHUNK = 256
@@ -153,13 +153,16 @@ def train_worker() -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def numerics(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     checkpoint_dir = tmp_path_factory.mktemp("checkpoint")
-    return run_distributed(numerics_worker, str(checkpoint_dir), nproc=2, timeout=120.0)
+    # The ranks see kwplug's built-ins and this plugin only, whatever else is installed.
+    with PluginSandbox(keep_installed=["kwplug-compress"]):
+        return run_distributed(numerics_worker, str(checkpoint_dir), nproc=2, timeout=120.0)
 
 
 @pytest.fixture(scope="module")
 def training() -> list[dict[str, dict[str, Any]]]:
     pytest.importorskip("sklearn")
-    return run_distributed(train_worker, nproc=2, timeout=180.0)
+    with PluginSandbox(keep_installed=["kwplug-compress"]):
+        return run_distributed(train_worker, nproc=2, timeout=180.0)
 
 
 @pytest.fixture

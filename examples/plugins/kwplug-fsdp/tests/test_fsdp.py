@@ -338,15 +338,18 @@ CHECKPOINT_PRECISIONS = ("no", "fp16")
 
 @pytest.fixture(scope="module")
 def trained() -> list[dict[str, Any]]:
-    return run_distributed(train_worker, TRAIN_PRECISIONS, nproc=2, timeout=120)
+    # The ranks see kwplug's built-ins and this plugin only, whatever else is installed.
+    with PluginSandbox(keep_installed=["kwplug-fsdp"]):
+        return run_distributed(train_worker, TRAIN_PRECISIONS, nproc=2, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def checkpointed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     directory = tmp_path_factory.mktemp("ckpt")
-    ranks = run_distributed(
-        checkpoint_worker, str(directory), CHECKPOINT_PRECISIONS, nproc=2, timeout=120
-    )
+    with PluginSandbox(keep_installed=["kwplug-fsdp"]):
+        ranks = run_distributed(
+            checkpoint_worker, str(directory), CHECKPOINT_PRECISIONS, nproc=2, timeout=120
+        )
     return directory, ranks
 
 
