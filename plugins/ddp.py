@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from kwplug.comm_hooks import CommHook, HookFn
 from kwplug.handler import TO_KWARGS, KwargsHandler
@@ -52,6 +53,12 @@ def _is_layout_dependent(hook: Any) -> bool:
         return hook in ddp_comm_hooks.LAYOUT_DEPENDENT_HOOKS
     except TypeError:  # an unhashable callable object
         return False
+
+
+def _on_gloo(state: Any) -> bool:
+    # PowerSGD states carry their process group (None: the default group).
+    group = getattr(state, "process_group", None)
+    return bool(dist.is_initialized() and dist.get_backend(group) == "gloo")
 
 
 def _quoted(values: tuple[str, ...]) -> str:
@@ -267,6 +274,8 @@ class DistributedDataParallelKwargs(KwargsHandler):
         else:
             hook = hook_option
         layout_dependent = _is_layout_dependent(hook)
+        if layout_dependent and _on_gloo(state):
+            hook = ddp_comm_hooks.serialized_hook(hook)  # PowerSGD: see serialized_hook
         if self.comm_wrapper != DDPCommunicationHookType.NO:
             hook = ddp_comm_hooks.COMPRESSION_WRAPPERS[self.comm_wrapper.value](hook)
         if layout_dependent:

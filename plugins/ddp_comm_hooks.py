@@ -791,6 +791,39 @@ def canonical_bucket_hook(
     return canonical_hook
 
 
+def serialized_hook(hook: HookFn) -> HookFn:
+    """Run ``hook`` to completion inside the call and return an already completed future.
+
+    gloo completes futures on its own worker threads, so a hook that starts a second
+    collective from a ``then`` callback (PowerSGD all-reduces ``Q`` after ``P``) issues it from
+    that thread while DDP's autograd thread may already be starting the next bucket's first
+    collective. The two ranks can then issue them in different orders, and gloo matches
+    collectives by order: the job hangs. Waiting inside the hook issues every collective of a
+    bucket before the next bucket's hook starts, in the same order on every rank. The cost is
+    the overlap of this hook's communication with the rest of the backward pass; kwplug applies
+    it on gloo only (NCCL orders collectives on CUDA streams).
+
+    Args:
+        hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``.
+
+    Returns:
+        A hook with the same contract whose future is already done.
+    """
+
+    def serial_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        future = hook(state, bucket)
+        future.wait()  # raises what the hook's chain raised
+        result = _future_tensor(future)
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(result)
+        return done
+
+    serial_hook.__name__ = getattr(hook, "__name__", None) or "serialized_hook"
+    serial_hook.__qualname__ = _describe(hook)
+    serial_hook.__doc__ = f"{_describe(hook)}, completed before returning (kwplug, gloo)."
+    return serial_hook
+
+
 #: Hooks whose state depends on DDP's bucket layout; kwplug runs them through
 #: :func:`canonical_bucket_hook` (with :func:`power_sgd_state_buckets`).
 LAYOUT_DEPENDENT_HOOKS: frozenset[Callable[..., Any]] = frozenset(
