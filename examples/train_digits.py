@@ -96,10 +96,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--comm-hook",
-        choices=COMM_HOOKS,
         default=None,
-        help="DDP gradient communication hook, only used with more than one process "
-        "(default: the --config file's [handlers.ddp], else no)",
+        metavar="NAME",
+        help=f"DDP gradient communication hook, only used with more than one process: "
+        f"{', '.join(COMM_HOOKS)}, or a name a plugin contributes (int8, topk with "
+        "kwplug-compress installed) (default: the --config file's [handlers.ddp], else no)",
     )
     parser.add_argument(
         "--profile-dir",

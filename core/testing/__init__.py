@@ -5,14 +5,20 @@ Enable the pytest fixtures in a plugin's ``conftest.py`` with
 :class:`PluginSandbox` (discovery isolated to kwplug's built-ins and the plugins the test adds
 or keeps, ``KWPLUG_*`` variables cleared); ``kwplug_plugin_manager`` is the
 ``pluggy.PluginManager`` built in that sandbox. :func:`check_handler` is the conformance check
-of a handler class, and :func:`run_distributed` calls a function in N CPU processes under
-torchrun (gloo). The fixtures need pytest (``pip install "kwplug[testing]"``).
+of a handler class, :func:`run_distributed` calls a function in N CPU processes under
+torchrun (gloo), and :func:`run_script` runs a script there. The fixtures need pytest
+(``pip install "kwplug[testing]"``).
 """
 
 from __future__ import annotations
 
 from kwplug.testing.conformance import check_handler, conformance_problems
-from kwplug.testing.distributed import DistributedRunError, free_port, run_distributed
+from kwplug.testing.distributed import (
+    DistributedRunError,
+    free_port,
+    run_distributed,
+    run_script,
+)
 from kwplug.testing.fixtures import kwplug_plugin_manager, kwplug_plugins
 from kwplug.testing.sandbox import PluginSandbox
 
@@ -25,4 +31,5 @@ __all__ = [
     "kwplug_plugin_manager",
     "kwplug_plugins",
     "run_distributed",
+    "run_script",
 ]

@@ -133,6 +133,39 @@ def _stop(proc: subprocess.Popen[str]) -> None:
             continue
 
 
+def run_script(
+    script: str | os.PathLike[str],
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    torchrun_args: Sequence[str] = (),
+) -> str:
+    """Run ``python -m torch.distributed.run --nproc-per-node nproc script *args`` (gloo on
+    127.0.0.1, a free port, one thread per process) and return its output.
+
+    Inside an active :class:`~kwplug.testing.PluginSandbox` the processes see the sandbox's
+    plugins, as with :func:`run_distributed`.
+
+    Returns:
+        stdout and stderr of the job, interleaved.
+
+    Raises:
+        DistributedRunError: the job exited with an error or ran past ``timeout`` seconds
+            (the message holds the output).
+    """
+    cmd = torchrun_command([os.fspath(script), *args], nproc=nproc, torchrun_args=torchrun_args)
+    result = run_bounded(
+        cmd, timeout=timeout, env=child_environment({**active_environment(), **(env or {})})
+    )
+    if result.returncode != 0:
+        raise DistributedRunError(
+            f"{' '.join(cmd)} exited with status {result.returncode}\n--- output ---\n"
+            f"{result.stdout[-8000:]}"
+        )
+    return result.stdout
+
+
 def importable_name(fn: Callable[..., Any]) -> tuple[str, str]:
     """``("module:qualname", sys.path root)`` of a module-level function, so that a fresh
     interpreter can import it.

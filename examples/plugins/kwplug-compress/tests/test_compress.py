@@ -8,9 +8,11 @@ that read their results.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import kwplug_compress
@@ -30,7 +32,7 @@ from kwplug_compress import (
 from kwplug_compress.measure import BASELINE, count_collective_bytes, train_and_measure
 
 import kwplug
-from kwplug.testing import PluginSandbox, run_distributed
+from kwplug.testing import PluginSandbox, run_distributed, run_script
 
 NUMEL = 1537  # odd, and not a multiple of the chunk size: the last chunk is short
 CHUNK = 256
@@ -435,3 +437,23 @@ def test_bytes_per_step_against_all_reduce(training: list[dict[str, dict[str, An
             assert measured == topk_bytes(numel, ratio) / (4 * numel)
             # k float32 values + k int32 indices = 2 * ratio of the float32 bucket
             assert abs(measured - 2 * ratio) <= 2 / numel
+
+
+REPO = Path(__file__).resolve().parents[4]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--config", str(REPO / "examples" / "compress.toml")], ["--comm-hook", "int8"]],
+    ids=["topk-config", "int8-flag"],
+)
+def test_digits_example_trains_with_the_hooks(
+    kwplug_plugins: PluginSandbox, args: list[str]
+) -> None:
+    """examples/train_digits.py selects the hooks by name: no import of kwplug_compress."""
+    pytest.importorskip("sklearn")
+    kwplug_plugins.keep_installed("kwplug-compress")
+    output = run_script(REPO / "examples" / "train_digits.py", *args, "--cpu", "--no-progress")
+    found = dict(re.findall(r"(?m)^(\w+)=(\S+)$", output))
+    assert found["ranks_identical"] == "True", output
+    assert float(found["final_accuracy"]) >= 0.94, output

@@ -22,7 +22,7 @@ from torch import nn
 
 import kwplug
 from kwplug.config import ConfigError
-from kwplug.testing import PluginSandbox, check_handler, free_port, run_distributed
+from kwplug.testing import PluginSandbox, check_handler, run_distributed, run_script
 
 REPO = Path(__file__).resolve().parents[4]
 EXAMPLE = REPO / "examples" / "train_digits.py"
@@ -394,35 +394,13 @@ def test_two_process_checkpoint_resumes_exactly(
     make_model().load_state_dict(state)
 
 
-def test_digits_example_with_config() -> None:
+def test_digits_example_with_config(kwplug_plugins: PluginSandbox) -> None:
     """examples/train_digits.py --config examples/fsdp.toml: no import of kwplug_fsdp."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KWPLUG_")}
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            "--master-addr=127.0.0.1",
-            f"--master-port={port}",
-            str(EXAMPLE),
-            "--config",
-            str(CONFIG),
-            "--cpu",
-            "--no-progress",
-            "--mixed-precision",
-            "bf16",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**env, "OMP_NUM_THREADS": "1"},
-        check=False,
+    kwplug_plugins.keep_installed("kwplug-fsdp")
+    output = run_script(
+        EXAMPLE, "--config", str(CONFIG), "--cpu", "--no-progress", "--mixed-precision", "bf16"
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    found = dict(re.findall(r"(?m)^(\w+)=(\S+)$", proc.stdout))
-    assert "wrap_model: user[0]:kwplug_fsdp.FullyShardedKwargs" in proc.stdout
-    assert found["ranks_identical"] == "True", proc.stdout
-    assert float(found["final_accuracy"]) >= 0.95, proc.stdout
+    found = dict(re.findall(r"(?m)^(\w+)=(\S+)$", output))
+    assert "wrap_model: user[0]:kwplug_fsdp.FullyShardedKwargs" in output
+    assert found["ranks_identical"] == "True", output
+    assert float(found["final_accuracy"]) >= 0.95, output
