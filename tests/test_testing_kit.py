@@ -300,3 +300,22 @@ def test_subtle_mistakes_are_explained() -> None:
     assert "\n" not in problems[1]
     assert problems[1].endswith("the specs take: autocast(device_type, mixed_precision)")
     assert any("field(s) ['token'] compare by identity" in p for p in problems), problems
+
+
+def test_keep_installed_refuses_a_distribution_that_is_not_there(
+    kwplug_plugins: PluginSandbox,
+) -> None:
+    with pytest.raises(ValueError, match="no kwplug plugin distribution named kwplug-nope"):
+        kwplug_plugins.keep_installed("kwplug_nope")
+    with (
+        pytest.raises(ValueError, match="kwplug-nope"),
+        PluginSandbox(keep_installed=["kwplug-nope"]),
+    ):
+        pass
+
+
+def test_sandboxes_nest(kwplug_plugins: PluginSandbox) -> None:
+    kwplug_plugins.add(ScalerOff, name="scaler-off", distribution="kwplug-scaler-off")
+    with PluginSandbox() as inner:
+        assert all(r.name != "scaler-off" for r in inner.records())
+    assert any(r.name == "scaler-off" for r in kwplug_plugins.records())

@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,9 @@ class PluginSandbox:
     def __init__(
         self, *, keep_installed: Iterable[str] = (), directory: str | os.PathLike[str] | None = None
     ) -> None:
-        self._keep = {canonical(name) for name in keep_installed}
+        self._keep: set[str] = set()
+        self._initial_keep = tuple(keep_installed)
+        self._outer_visible: Callable[[importlib_metadata.EntryPoint], bool] | None = None
         self._directory = None if directory is None else Path(directory)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._added: set[str] = set()
@@ -71,8 +73,15 @@ class PluginSandbox:
         self._saved_env = {k: v for k, v in os.environ.items() if k.startswith(_CONTROL_PREFIX)}
         for name in self._saved_env:
             del os.environ[name]
+        self._outer_visible = discovery._visible  # sandboxes nest
         discovery.set_visible(self._visible)
         _ACTIVE.append(self)
+        if self._initial_keep:
+            try:
+                self.keep_installed(*self._initial_keep)
+            except ValueError:
+                self.__exit__(None, None, None)
+                raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -84,14 +93,30 @@ class PluginSandbox:
         for name in [k for k in os.environ if k.startswith(_CONTROL_PREFIX)]:
             del os.environ[name]
         os.environ.update(self._saved_env)
-        discovery.set_visible(None)
+        discovery.set_visible(self._outer_visible)
         if self._tmp is not None:
             self._tmp.cleanup()
 
     # -- what tests use --------------------------------------------------------------------
 
     def keep_installed(self, *distributions: str) -> None:
-        """Make these installed distributions' plugins visible too."""
+        """Make these installed distributions' plugins visible too.
+
+        Raises:
+            ValueError: a distribution declares no ``kwplug.handlers`` entry point here (not
+                installed, or misspelt); the message lists the installed plugin distributions.
+        """
+        installed = {
+            canonical(ep.dist.name)
+            for ep in importlib_metadata.entry_points(group=discovery.GROUP)
+            if ep.dist is not None
+        }
+        missing = sorted({canonical(name) for name in distributions} - installed)
+        if missing:
+            raise ValueError(
+                f"keep_installed: no kwplug plugin distribution named {', '.join(missing)} is "
+                f"installed; installed: {', '.join(sorted(installed - {'kwplug'})) or 'none'}"
+            )
         self._keep.update(canonical(name) for name in distributions)
         discovery.discover(refresh=True)
 
