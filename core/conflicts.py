@@ -11,9 +11,10 @@ both plugins, with distribution and version, and how to choose.
 A plugin says which devices it answers for with a ``device_types`` attribute (a class
 variable of a handler, or a module-level name of a module plugin): a collection of
 ``torch.device(...).type`` strings, e.g. ``frozenset({"xpu"})``. Without it, a plugin claims
-every device. Hook implementations marked ``tryfirst``/``trylast`` have declared their order
-and do not conflict. Handlers the user passes in ``kwargs_handlers`` never conflict: they
-answer first, and passing one is how a user chooses.
+every device. Hook implementations marked ``trylast`` have declared themselves fallbacks and do
+not conflict (``tryfirst`` is refused at load: it would answer before the user's handlers).
+Handlers the user passes in ``kwargs_handlers`` never conflict: they answer first, and passing
+one is how a user chooses.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def find_conflicts(
             impl.plugin_name
             for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls())
             if third_party(impl.plugin_name)
-            and not (impl.tryfirst or impl.trylast)
+            and not impl.trylast
             and _claims(impl.plugin, device_type)
         ]
         if len(claimants) > 1:

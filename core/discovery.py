@@ -139,6 +139,24 @@ def new_plugin_manager() -> pluggy.PluginManager:
     return pm
 
 
+def tryfirst_problem(pm: pluggy.PluginManager, plugin: Any) -> str | None:
+    """Why ``plugin`` may not be loaded as is: a hook implementation marked ``tryfirst``
+    would answer before the handlers the user passes (kwplug decides the order), or ``None``."""
+    names = sorted(
+        caller.name
+        for caller in pm.get_hookcallers(plugin) or ()
+        for impl in caller.get_hookimpls()
+        if impl.plugin is plugin and impl.tryfirst
+    )
+    if not names:
+        return None
+    return (
+        f"hook implementation(s) {', '.join(names)} marked tryfirst would answer before the "
+        "user's kwargs_handlers; remove tryfirst (kwplug orders plugins: user handlers, "
+        "third-party defaults, built-ins)"
+    )
+
+
 def plugin_object(record: PluginRecord) -> Any:
     """What to register for a loaded record: a default handler instance, or the object itself."""
     cls = record.handler_class
@@ -171,7 +189,7 @@ def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
         plugin = plugin_object(attrs.evolve(record, obj=obj))
         pm.register(plugin, name=ep.name)
         pm.check_pending()
-        problem = device_types_problem(plugin)
+        problem = device_types_problem(plugin) or tryfirst_problem(pm, plugin)
         if problem is not None:
             raise TypeError(problem)
         hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from kwplug.comm_hooks import CommHook, HookFn
+from kwplug.discovery import discover
 from kwplug.handler import TO_KWARGS, KwargsHandler
 from kwplug.hookspecs import hookimpl
 from kwplug.plugins import ddp_comm_hooks
@@ -53,6 +54,17 @@ def _is_layout_dependent(hook: Any) -> bool:
         return hook in ddp_comm_hooks.LAYOUT_DEPENDENT_HOOKS
     except TypeError:  # an unhashable callable object
         return False
+
+
+def _not_loaded() -> str:
+    # A hook named by a plugin that is installed but blocked, disabled or broken is "unknown"
+    # too; say which plugins were not loaded (they are not imported, so which hooks they
+    # provide cannot be known).
+    records = [r for r in discover() if not r.loaded and not r.builtin]
+    if not records:
+        return ""
+    listed = ", ".join(f"{r.describe()}: {r.status}" for r in records)
+    return f" (plugins installed but not loaded, one may provide it: {listed})"
 
 
 def _on_gloo(state: Any) -> bool:
@@ -243,7 +255,8 @@ class DistributedDataParallelKwargs(KwargsHandler):
             hint = f"did you mean {by_lower[close[0]]!r}? " if close else ""
             raise ValueError(
                 f"unknown communication hook {name!r} in DistributedDataParallelKwargs."
-                f"comm_hook; {hint}known hooks: {_quoted(tuple(known))}. Register one with "
+                f"comm_hook; {hint}known hooks: {_quoted(tuple(known))}{_not_loaded()}. "
+                "Register one with "
                 "kwplug.register_comm_hook(name, hook) or contribute it from a plugin's "
                 "comm_hooks hook"
             )

@@ -12,7 +12,7 @@ import torch
 from kwplug import Accelerator, KwargsHandler, hookimpl
 from kwplug.conflicts import PluginConflictError
 from kwplug.hookspecs import HOOK_POLICY, ONE_ANSWER, HandlerSpec
-from kwplug.testing import PluginSandbox
+from kwplug.testing import PluginSandbox, conformance_problems
 
 
 @attrs.define
@@ -127,3 +127,18 @@ def test_explain_shows_the_conflict(kwplug_plugins: PluginSandbox) -> None:
     )
     assert "answered_by" not in report["autocast"]
     assert "conflict" not in explain("xpu", "bf16")["make_scaler"]
+
+
+@attrs.define
+class WrapFirst(KwargsHandler):
+    @hookimpl(tryfirst=True)
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+
+def test_tryfirst_is_refused_at_load(kwplug_plugins: PluginSandbox) -> None:
+    # It would answer before the handlers the user passes: kwplug decides precedence.
+    with pytest.warns(UserWarning, match="wrap_model marked tryfirst"):
+        record = kwplug_plugins.add(WrapFirst, name="first", distribution="kwplug-first")
+    assert record.status == "failed"
+    assert any("marked tryfirst" in p for p in conformance_problems(WrapFirst))

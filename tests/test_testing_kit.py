@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, ClassVar
 
@@ -319,3 +320,45 @@ def test_sandboxes_nest(kwplug_plugins: PluginSandbox) -> None:
     with PluginSandbox() as inner:
         assert all(r.name != "scaler-off" for r in inner.records())
     assert any(r.name == "scaler-off" for r in kwplug_plugins.records())
+
+
+@attrs.define
+class SharedDefault(KwargsHandler):
+    names: list[str] = attrs.field(
+        default=[],
+        validator=attrs.validators.instance_of(list),
+    )
+
+    @hookimpl
+    def autocast(self) -> None:
+        return None
+
+
+def test_shared_mutable_default_is_reported() -> None:
+    assert conformance_problems(SharedDefault) == [
+        "field 'names' has a mutable default shared by every instance ([]); use "
+        "attrs.field(factory=...)"
+    ]
+
+
+def return_a_lock() -> Any:
+    import threading
+
+    return threading.Lock()
+
+
+def raise_with_a_note() -> None:
+    error = KeyError("the real cause")
+    if hasattr(error, "add_note"):  # Python >= 3.11: the last traceback line is the note
+        error.add_note("(raised by hook 'wrap_model' of a plugin)")
+    raise error
+
+
+def test_run_distributed_names_unpicklable_results_and_keeps_notes_out_of_the_headline() -> None:
+    with pytest.raises(DistributedRunError, match=r"rank \d raised TypeError: the return value"):
+        run_distributed(return_a_lock, nproc=1, timeout=120)
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(raise_with_a_note, nproc=1, timeout=120)
+    assert str(info.value).splitlines()[0].endswith("rank 0 raised KeyError: 'the real cause'")
+    with pytest.raises(ValueError, match="functools.partial"):
+        run_distributed(functools.partial(all_reduce_rank, 1))

@@ -22,8 +22,16 @@ def main(folder: Path) -> int:
         for part in qualname.split("."):
             fn = getattr(fn, part)
         result = fn(*args)
-        (folder / f"rank_{rank}.pkl").write_bytes(pickle.dumps(result))
-    except BaseException:
+        try:
+            payload = pickle.dumps(result)
+        except Exception as exc:
+            raise TypeError(
+                f"the return value of {target} ({type(result).__name__}) cannot be pickled: {exc}"
+            ) from exc
+        (folder / f"rank_{rank}.pkl").write_bytes(payload)
+    except BaseException as exc:
+        # The summary line first (the headline of DistributedRunError), then the traceback.
+        (folder / f"rank_{rank}.exc").write_text(f"{type(exc).__name__}: {exc}".strip())
         (folder / f"rank_{rank}.err").write_text(traceback.format_exc())
         raise
     finally:

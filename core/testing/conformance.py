@@ -20,7 +20,7 @@ import attrs
 import pluggy
 
 from kwplug.conflicts import device_types_problem
-from kwplug.discovery import new_plugin_manager
+from kwplug.discovery import new_plugin_manager, tryfirst_problem
 from kwplug.handler import TO_KWARGS, KwargsHandler
 from kwplug.hookspecs import PROJECT_NAME, HandlerSpec
 
@@ -52,6 +52,12 @@ def conformance_problems(
         for n in sorted((set(examples) | skip) - names)
     ]
     problems += [f"field {f.name!r} has no default" for f in fields if f.default is attrs.NOTHING]
+    problems += [
+        f"field {f.name!r} has a mutable default shared by every instance "
+        f"({f.default!r}); use attrs.field(factory=...)"
+        for f in fields
+        if isinstance(f.default, (list, dict, set, bytearray))
+    ]
     problems += _lost_annotations(cls)
     try:
         default = cls()
@@ -146,7 +152,8 @@ def _hook_problems(handler: KwargsHandler) -> list[str]:
         return [f"invalid hook implementation: {message}{_spec_arguments(handler)}"]
     if not pm.get_hookcallers(handler):
         return ["implements no kwplug hook (mark methods with @kwplug.hookimpl)"]
-    return []
+    problem = tryfirst_problem(pm, handler)
+    return [problem] if problem else []
 
 
 def _spec_arguments(handler: KwargsHandler) -> str:

@@ -173,6 +173,11 @@ def importable_name(fn: Callable[..., Any]) -> tuple[str, str]:
     Raises:
         ValueError: ``fn`` is a lambda, a nested function, or defined in ``__main__``.
     """
+    if not inspect.isfunction(fn):
+        raise ValueError(
+            f"run_distributed needs a module-level function, got {type(fn).__name__} {fn!r}; "
+            "pass arguments through run_distributed(fn, *args) instead of functools.partial"
+        )
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", "")
     if not module or module == "__main__" or "<" in qualname:
@@ -244,8 +249,9 @@ def run_distributed(
         if result.returncode != 0 or raised or missing:
             headline = f"{target} failed in {nproc} processes (exit status {result.returncode})"
             if raised:
-                first = raised[0].read_text().strip().splitlines()
-                headline = f"{target}: {raised[0].stem.replace('_', ' ')} raised {first[-1]}"
+                summary = raised[0].with_suffix(".exc")
+                what = summary.read_text() if summary.is_file() else "an exception"
+                headline = f"{target}: {raised[0].stem.replace('_', ' ')} raised {what}"
             errors = [f"--- {f.stem.replace('_', ' ')} raised ---\n{f.read_text()}" for f in raised]
             raise DistributedRunError(
                 f"{headline}\n(no result from rank(s) {missing})\n"
