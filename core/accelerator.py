@@ -88,6 +88,14 @@ class Accelerator:
         check_conflicts(
             self.plugin_manager, self._third_party.__contains__, self.device_type, self._describe
         )
+        self.comm_hooks: dict[str, CommHook] = self._collect_comm_hooks()
+        self._call_each(
+            "validate_setup",
+            device_type=self.device_type,
+            world_size=info.world_size,
+            mixed_precision=mixed_precision,
+            comm_hooks=self.comm_hooks,
+        )
         if info.world_size > 1 and not dist.is_initialized():
             done = self._call_first(
                 "init_process_group",
@@ -108,7 +116,6 @@ class Accelerator:
         self.process_index: int = info.rank
         self.local_process_index: int = info.local_rank
 
-        self.comm_hooks: dict[str, CommHook] = self._collect_comm_hooks()
         self._autocast_factory: AutocastFactory = (
             self._call_first(
                 "autocast", device_type=self.device_type, mixed_precision=mixed_precision

@@ -37,11 +37,11 @@ class CommHook:
             process group exists; ``None`` means the state is the process group itself (the
             convention of ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``).
         source: who provided it (a distribution or ``"kwplug.register_comm_hook"``), for errors.
-        check_options: optional ``check_options(comm_state_option) -> None`` that raises
+        check_options: optional ``check_options(comm_state_option)`` that raises
             ``TypeError``/``ValueError`` for options ``make_state`` would refuse, without a
-            process group; kwplug calls it when the hook is selected in a single process
-            (where DDP is not used and ``make_state`` never runs), so a bad option fails there
-            too.
+            process group (its return value is ignored). kwplug calls it when the Accelerator
+            is built (``validate_setup``) and, in a single process where DDP is not used and
+            ``make_state`` never runs, in ``prepare()``: a bad option fails early everywhere.
     """
 
     name: str = attrs.field(validator=attrs.validators.instance_of(str))
@@ -50,7 +50,7 @@ class CommHook:
         default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
     )
     source: str = "unknown"
-    check_options: Callable[[Mapping[str, Any]], None] | None = attrs.field(
+    check_options: Callable[[Mapping[str, Any]], object] | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
     )
 
@@ -92,7 +92,7 @@ def register_comm_hook(
     hook: HookFn,
     *,
     make_state: StateFactory | None = None,
-    check_options: Callable[[Mapping[str, Any]], None] | None = None,
+    check_options: Callable[[Mapping[str, Any]], object] | None = None,
     replace: bool = False,
 ) -> CommHook:
     """Register a DDP communication hook under ``name`` for this process.

@@ -44,6 +44,7 @@ AutocastFactory = Callable[[], AbstractContextManager[Any]]
 ONE_ANSWER = "one answer per device"
 ADDITIVE = "additive, unique names"
 PER_PLUGIN = "per plugin"
+EVERY = "every plugin (raising rejects)"
 HOOK_POLICY: dict[str, str] = {
     "autocast": ONE_ANSWER,
     "wrap_model": ONE_ANSWER,
@@ -53,6 +54,7 @@ HOOK_POLICY: dict[str, str] = {
     "comm_hooks": ADDITIVE,
     "handler_state": PER_PLUGIN,
     "load_handler_state": PER_PLUGIN,
+    "validate_setup": EVERY,
 }
 
 
@@ -155,6 +157,29 @@ class HandlerSpec:
 
         Called by: ``Accelerator.__init__`` once; the merged mapping is passed to
         :meth:`wrap_model`. ``firstresult``: no (every plugin's answer is collected).
+        """
+
+    @hookspec
+    def validate_setup(
+        self,
+        device_type: str,
+        world_size: int,
+        mixed_precision: str,
+        comm_hooks: Mapping[str, CommHook],
+    ) -> None:
+        """Reject a configuration early, before any process group or torch object exists.
+
+        :param device_type: the Accelerator's device type, e.g. ``"cpu"``.
+        :param world_size: number of processes (``WORLD_SIZE``; 1 when not distributed).
+        :param mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+        :param comm_hooks: every named DDP communication hook known to this Accelerator.
+        :returns: ``None``. Raise ``TypeError``/``ValueError`` naming the field and what it
+            accepts to reject the setting (e.g. an unknown ``comm_hook`` name, or options the
+            named hook refuses); it propagates out of ``Accelerator()``.
+
+        Called by: ``Accelerator.__init__`` once, on every rank, after the communication hooks
+        are collected and before ``init_process_group``, so that a mistake costs no
+        rendezvous and no data loading. ``firstresult``: no (every plugin is called).
         """
 
     @hookspec

@@ -299,6 +299,21 @@ class DistributedDataParallelKwargs(KwargsHandler):
         return ddp_comm_hooks.ddp_compatible_hook(hook), state
 
     @hookimpl
+    def validate_setup(self, comm_hooks: Mapping[str, CommHook]) -> None:
+        """Check ``comm_hook`` and ``comm_state_option`` when the Accelerator is built.
+
+        The names plugins contribute are known only then, so this is the earliest check: a
+        misspelt name or an option the named hook refuses fails in ``Accelerator()``, before
+        the process group, the data and the model exist.
+
+        Raises:
+            ValueError: unknown ``comm_hook`` name (with a suggestion and the known names).
+            TypeError, ValueError: from the named hook's ``check_options``.
+        """
+        if isinstance(self.comm_hook, str) and self.comm_hook != DDPCommunicationHookType.NO:
+            self._record(comm_hooks).check(self.comm_state_option)
+
+    @hookimpl
     def wrap_model(
         self,
         model: torch.nn.Module,

@@ -48,12 +48,13 @@ def test_hookspecs_are_documented_and_firstresult() -> None:
         "comm_hooks",
         "handler_state",
         "load_handler_state",
+        "validate_setup",
     }
     for name in specs:
         fn = getattr(HandlerSpec, name)
         assert fn.__doc__ and "Called by" in fn.__doc__, name
         opts = fn.kwplug_spec
-        collected = ("comm_hooks", "handler_state", "load_handler_state")
+        collected = ("comm_hooks", "handler_state", "load_handler_state", "validate_setup")
         assert opts["firstresult"] is (name not in collected), name
 
 

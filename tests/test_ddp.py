@@ -667,10 +667,16 @@ def test_power_sgd_option_values_are_checked_at_construction(
 
 
 def test_misspelt_hook_name_fails_in_a_single_process_too() -> None:
-    accelerator = kwplug.Accelerator(
-        cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(comm_hook="bf17")]
-    )
+    # At Accelerator() (validate_setup), before any model or data exists.
     with pytest.raises(ValueError, match="unknown communication hook 'bf17'.*'no'"):
+        kwplug.Accelerator(
+            cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(comm_hook="bf17")]
+        )
+    # A name changed after construction is caught in prepare().
+    handler = DistributedDataParallelKwargs()
+    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
+    handler.comm_hook = "bf17"
+    with pytest.raises(ValueError, match="unknown communication hook 'bf17'"):
         accelerator.prepare(torch.nn.Linear(2, 2))
 
 
@@ -679,9 +685,8 @@ def test_misspelt_hook_name_fails_in_a_single_process_too() -> None:
 )
 def test_misspelt_hook_name_gets_a_suggestion(typo: str, meant: str) -> None:
     handler = DistributedDataParallelKwargs(comm_hook=typo)
-    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
     with pytest.raises(ValueError, match=f"did you mean '{meant}'\\?"):
-        accelerator.prepare(torch.nn.Linear(2, 2))
+        kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
 
 
 def _scaled_state(process_group: Any, options: Any) -> Any:
@@ -701,12 +706,15 @@ def test_check_options_runs_in_a_single_process() -> None:
     )
     try:
         handler = DistributedDataParallelKwargs(comm_hook="scaled", comm_state_option={"scal": 2})
-        accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
         with pytest.raises(ValueError, match=r"unknown option\(s\) \['scal'\]; accepted: scale"):
-            accelerator.prepare(torch.nn.Linear(2, 1))
+            kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
         handler.comm_state_option = {"scale": 2}
+        accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
         model = torch.nn.Linear(2, 1)
         assert accelerator.prepare(model) is model
+        handler.comm_state_option = {"scal": 2}  # changed after construction: prepare() checks
+        with pytest.raises(ValueError, match=r"unknown option\(s\) \['scal'\]"):
+            accelerator.prepare(torch.nn.Linear(2, 1))
         record = accelerator.comm_hooks["scaled"]
         assert record.build_state(None, {"scale": 3}) == 3
         with pytest.raises(TypeError, match="callable"):

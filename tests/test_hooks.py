@@ -9,6 +9,7 @@ import functools
 from typing import Any
 
 import attrs
+import pytest
 import torch
 
 import kwplug
@@ -149,3 +150,36 @@ def test_hook_load_handler_state(tmp_path: Any) -> None:
     fresh = Counting()
     kwplug.Accelerator(cpu=True, kwargs_handlers=[fresh]).load_state(tmp_path / "c")
     assert fresh.seen == 3
+
+
+def test_hook_validate_setup(monkeypatch: Any) -> None:
+    seen: list[tuple[str, int, str, bool]] = []
+
+    @attrs.define
+    class Strict(KwargsHandler):
+        @hookimpl
+        def validate_setup(
+            self, device_type: str, world_size: int, mixed_precision: str, comm_hooks: Any
+        ) -> None:
+            seen.append((device_type, world_size, mixed_precision, "bf16" in comm_hooks))
+            if mixed_precision == "fp16":
+                raise ValueError("Strict: fp16 is not supported; use bf16")
+
+    kwplug.Accelerator(cpu=True, mixed_precision="bf16", kwargs_handlers=[Strict()])
+    assert seen == [("cpu", 1, "bf16", True)]
+    with pytest.raises(ValueError, match="fp16 is not supported"):
+        kwplug.Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[Strict()])
+    # Before the process group: a rejected setting under torchrun costs no rendezvous.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: reaching it would fail differently
+    with pytest.raises(ValueError, match="fp16 is not supported"):
+        kwplug.Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[Strict()])
+    assert not torch.distributed.is_initialized()
+    # The built-in DDP handler rejects an unknown hook name here, not in prepare().
+    with pytest.raises(ValueError, match="unknown communication hook 'bf17'.*did you mean 'bf16'"):
+        kwplug.Accelerator(
+            cpu=True, kwargs_handlers=[kwplug.DistributedDataParallelKwargs(comm_hook="bf17")]
+        )

@@ -15,7 +15,6 @@ comm_state_option={"ratio": 0.01})``. Only kwplug's public API is used (``kwplug
 """
 
 from collections.abc import Mapping
-from typing import Any
 
 import kwplug
 from kwplug_compress.hooks import int8_bytes, int8_hook, topk_bytes, topk_count, topk_hook
@@ -23,6 +22,8 @@ from kwplug_compress.state import (
     Int8State,
     ResidualMemory,
     TopKState,
+    check_int8_options,
+    check_topk_options,
     make_int8_state,
     make_topk_state,
 )
@@ -64,15 +65,3 @@ def comm_hooks() -> Mapping[str, kwplug.CommHook]:
             "topk", topk_hook, make_topk_state, check_options=check_topk_options
         ),
     }
-
-
-def check_int8_options(options: Mapping[str, Any]) -> None:
-    """Validate the ``"int8"`` hook's ``comm_state_option`` without a process group
-    (kwplug calls it in single-process runs); raises as :func:`make_int8_state`."""
-    make_int8_state(None, options)
-
-
-def check_topk_options(options: Mapping[str, Any]) -> None:
-    """Validate the ``"topk"`` hook's ``comm_state_option`` without a process group
-    (kwplug calls it in single-process runs); raises as :func:`make_topk_state`."""
-    make_topk_state(None, options)

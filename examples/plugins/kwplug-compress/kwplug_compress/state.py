@@ -186,15 +186,22 @@ def _checked(hook: str, options: Any, accepted: Mapping[str, Any]) -> dict[str, 
 def make_int8_state(
     process_group: dist.ProcessGroup | None, options: Mapping[str, Any]
 ) -> Int8State:
-    """Build the ``"int8"`` hook's state from ``DistributedDataParallelKwargs.comm_state_option``.
+    """Build the ``"int8"`` hook's state; options as :func:`check_int8_options` (which
+    raises what this raises)."""
+    chunk_size, error_feedback = check_int8_options(options)
+    return Int8State(process_group, chunk_size, error_feedback)
+
+
+def check_int8_options(options: Mapping[str, Any]) -> tuple[int, bool]:
+    """Check the ``"int8"`` hook's ``DistributedDataParallelKwargs.comm_state_option``
+    (kwplug calls it through ``CommHook.check_options``, with no process group needed).
 
     Args:
-        process_group: ``torch.distributed.ProcessGroup`` or ``None`` (the default group).
         options: ``chunk_size`` (``int`` >= 1, default 512 elements per float32 scale) and
             ``error_feedback`` (``bool``, default ``False``).
 
     Returns:
-        A fresh :class:`Int8State`.
+        ``(chunk_size, error_feedback)`` with the defaults filled in.
 
     Raises:
         ValueError: an unknown key (the message lists the accepted ones with their defaults),
@@ -214,21 +221,28 @@ def make_int8_state(
             f"comm_state_option['chunk_size'] of the 'int8' hook must be >= 1 (elements per "
             f"scale), got {chunk_size!r}"
         )
-    return Int8State(process_group, chunk_size, values["error_feedback"])
+    return chunk_size, values["error_feedback"]
 
 
 def make_topk_state(
     process_group: dist.ProcessGroup | None, options: Mapping[str, Any]
 ) -> TopKState:
-    """Build the ``"topk"`` hook's state from ``DistributedDataParallelKwargs.comm_state_option``.
+    """Build the ``"topk"`` hook's state; options as :func:`check_topk_options` (which
+    raises what this raises)."""
+    ratio, error_feedback = check_topk_options(options)
+    return TopKState(process_group, ratio, error_feedback)
+
+
+def check_topk_options(options: Mapping[str, Any]) -> tuple[float, bool]:
+    """Check the ``"topk"`` hook's ``DistributedDataParallelKwargs.comm_state_option``
+    (kwplug calls it through ``CommHook.check_options``, with no process group needed).
 
     Args:
-        process_group: ``torch.distributed.ProcessGroup`` or ``None`` (the default group).
         options: ``ratio`` (a float in (0, 1], default 0.01: the fraction of each bucket sent)
             and ``error_feedback`` (``bool``, default ``True``).
 
     Returns:
-        A fresh :class:`TopKState`.
+        ``(ratio, error_feedback)`` with the defaults filled in.
 
     Raises:
         ValueError: an unknown key (the message lists the accepted ones with their defaults),
@@ -249,4 +263,4 @@ def make_topk_state(
             f"comm_state_option['ratio'] of the 'topk' hook must be a float in (0, 1] (the "
             f"fraction of each bucket sent), got {ratio!r}"
         )
-    return TopKState(process_group, float(ratio), values["error_feedback"])
+    return float(ratio), values["error_feedback"]

@@ -100,14 +100,13 @@ def numerics_worker(checkpoint_dir: str) -> dict[str, Any]:
 
 
 def bad_option_error() -> str:
-    # Under torchrun prepare() builds the state before DDP: every rank fails the same way,
-    # before any collective.
+    # kwplug checks the options when the Accelerator is built (validate_setup, through the
+    # hook's check_options): every rank fails the same way, before any collective.
     handler = kwplug.DistributedDataParallelKwargs(
         comm_hook="topk", comm_state_option={"ratio": 2.0}
     )
-    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
     try:
-        accelerator.prepare(torch.nn.Linear(2, 1))
+        kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
     except ValueError as error:
         return str(error)
     return "no error"
@@ -330,7 +329,7 @@ def test_bad_options_are_named(name: str, options: Any, error: type, match: str)
         record.build_state(None, options)
 
 
-def test_bad_option_fails_in_prepare_under_torchrun(numerics: list[dict[str, Any]]) -> None:
+def test_bad_option_fails_in_accelerator_under_torchrun(numerics: list[dict[str, Any]]) -> None:
     for rank_out in numerics:
         assert "comm_state_option['ratio'] of the 'topk' hook" in rank_out["bad_option"]
 
@@ -377,15 +376,14 @@ def test_blocking_removes_the_hook_names(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("KWPLUG_BLOCK_PLUGINS", "compress")
     records = {r.name: r for r in kwplug.discover()}
     assert records["compress"].status == "blocked"  # what `kwplug plugins` shows then
+    assert not {"int8", "topk"} & set(kwplug.Accelerator(cpu=True).comm_hooks)
     handler = kwplug.DistributedDataParallelKwargs(comm_hook="topk")
-    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
-    assert not {"int8", "topk"} & set(accelerator.comm_hooks)
     with pytest.raises(
         ValueError,
         match=r"unknown communication hook 'topk'.*not loaded.*'compress' \(kwplug-compress "
         r"0\.1\.0\): blocked",
     ):
-        accelerator.prepare(torch.nn.Linear(2, 1))
+        kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
 
 
 @pytest.mark.parametrize(
@@ -400,9 +398,8 @@ def test_bad_option_fails_in_a_single_process_too(
     hook: str, options: dict[str, Any], message: str
 ) -> None:
     handler = kwplug.DistributedDataParallelKwargs(comm_hook=hook, comm_state_option=options)
-    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
     with pytest.raises(ValueError, match=message):
-        accelerator.prepare(torch.nn.Linear(2, 1))
+        kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
     good = kwplug.DistributedDataParallelKwargs(comm_hook=hook)
     model = torch.nn.Linear(2, 1)
     assert kwplug.Accelerator(cpu=True, kwargs_handlers=[good]).prepare(model) is model
