@@ -191,7 +191,10 @@ def test_cli_plugins_lists_every_plugin_with_status(site: Path) -> None:
         "source": "third-party",
     }
     assert rows["broken"]["status"].startswith("failed: ImportError: this plugin is broken")
-    assert rows["ddp"]["hooks"] == ["wrap_model"] and rows["ddp"]["source"] == "built-in"
+    assert (
+        rows["ddp"]["hooks"] == ["validate_setup", "wrap_model"]
+        and rows["ddp"]["source"] == "built-in"
+    )
     # The names shown are the names the controls accept.
     blocked = json.loads(cli(site, "plugins", "--json", KWPLUG_BLOCK_PLUGINS="halfcast").stdout)
     assert {r["name"]: r["status"] for r in blocked}["halfcast"] == "blocked"
