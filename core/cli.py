@@ -35,9 +35,26 @@ def plugin_rows(records: Sequence[PluginRecord]) -> list[dict[str, Any]]:
                 "hooks": list(r.hooks),
                 "status": status,
                 "source": r.source,
+                # --json only (the table keeps its columns): whether an Accelerator registers
+                # the plugin without being asked, and the devices it declares.
+                "default": _registered_by_default(r),
+                "device_types": _declared_devices(r),
             }
         )
     return rows
+
+
+def _registered_by_default(record: PluginRecord) -> bool | None:
+    # None: not loaded, so not known. Plugin objects other than handler classes always are.
+    if not record.loaded:
+        return None
+    cls = record.handler_class
+    return True if cls is None else bool(cls.register_default)
+
+
+def _declared_devices(record: PluginRecord) -> list[str] | None:
+    declared = getattr(record.obj, "device_types", None) if record.loaded else None
+    return None if declared is None else sorted(declared)
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = COLUMNS) -> str:

@@ -142,3 +142,24 @@ def test_tryfirst_is_refused_at_load(kwplug_plugins: PluginSandbox) -> None:
         record = kwplug_plugins.add(WrapFirst, name="first", distribution="kwplug-first")
     assert record.status == "failed"
     assert any("marked tryfirst" in p for p in conformance_problems(WrapFirst))
+
+
+@attrs.define
+class OptIn(KwargsHandler):
+    register_default: ClassVar[bool] = False
+
+    @hookimpl
+    def autocast(self) -> None:
+        return None
+
+
+def test_json_listing_shows_defaults_and_devices(kwplug_plugins: PluginSandbox) -> None:
+    from kwplug.cli import plugin_rows
+
+    kwplug_plugins.add(AutocastXpuOnly, name="amp-xpu", distribution="kwplug-xpu")
+    kwplug_plugins.add(OptIn, name="opt-in", distribution="kwplug-opt-in")
+    rows = {r["name"]: r for r in plugin_rows(kwplug_plugins.records())}
+    assert (rows["amp-xpu"]["default"], rows["amp-xpu"]["device_types"]) == (True, ["xpu"])
+    assert (rows["opt-in"]["default"], rows["opt-in"]["device_types"]) == (False, None)
+    assert (rows["ddp"]["default"], rows["ddp"]["device_types"]) == (True, None)
+    assert rows["ddp_comm_hooks"]["default"] is True  # a module: always registered

@@ -189,7 +189,10 @@ def test_cli_plugins_lists_every_plugin_with_status(site: Path) -> None:
         "hooks": ["autocast"],
         "status": "loaded",
         "source": "third-party",
+        "default": True,
+        "device_types": None,
     }
+    assert rows["broken"]["default"] is None  # not loaded: not known
     assert rows["broken"]["status"].startswith("failed: ImportError: this plugin is broken")
     assert (
         rows["ddp"]["hooks"] == ["validate_setup", "wrap_model"]
