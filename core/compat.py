@@ -15,8 +15,6 @@ import functools
 from typing import Any
 
 import importlib_metadata
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.utils import canonicalize_name
 
 
 @functools.cache
@@ -37,6 +35,10 @@ def api_problem(distribution: Any) -> str | None:
     """
     if distribution is None:
         return None
+    # Imported here: only third-party plugins are checked, and packaging costs ~8 ms to import.
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
     version = kwplug_version()
     for line in getattr(distribution, "requires", None) or ():
         try:
