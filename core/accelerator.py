@@ -5,10 +5,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import gc
 import logging
 import os
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -22,7 +20,7 @@ from kwplug.comm_hooks import CommHook, merge_comm_hooks
 from kwplug.conflicts import check_conflicts
 from kwplug.data import PreparedDataLoader, prepare_dataloader
 from kwplug.dispatch import Answer, call_each, call_first
-from kwplug.environment import ProcessInfo, select_device
+from kwplug.environment import ProcessInfo, end_process_group, select_device
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import AutocastFactory
 from kwplug.optimizer import ScaledOptimizer
@@ -574,7 +572,7 @@ class Accelerator:
         self._scaled_optimizers.clear()
         self._dataloaders.clear()
         self._custom_objects.clear()
-        _end_process_group()
+        end_process_group()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -625,21 +623,11 @@ class Accelerator:
         )
 
 
-def _end_process_group() -> None:
-    gc.collect()
-    if dist.is_available() and dist.is_initialized():
-        # gloo's worker threads release a collective's tensors just after it returns; a short
-        # pause without the GIL lets them finish before the group goes (an exit in that instant
-        # can abort with "terminate called without an active exception").
-        time.sleep(0.05)
-        dist.destroy_process_group()
-
-
 @functools.cache
 def _destroy_process_group_at_exit() -> None:
     # Once per process. atexit runs before interpreter teardown frees gloo's objects in an
     # arbitrary order; a no-op when end_training() already destroyed the group.
-    atexit.register(_end_process_group)
+    atexit.register(end_process_group)
 
 
 def _loader_state(loader: DataLoader[Any]) -> dict[str, int] | None:

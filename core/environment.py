@@ -76,3 +76,23 @@ def select_device(cpu: bool, local_rank: int) -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def end_process_group() -> None:
+    """Collect garbage, then destroy the default process group if there is one.
+
+    A DDP reducer collected after its process group is destroyed can abort the process, and
+    gloo's worker threads release a collective's tensors just after it returns; so garbage is
+    collected first and, when a group exists, a 50 ms pause without the GIL precedes
+    ``torch.distributed.destroy_process_group()`` (an exit in that instant can abort with
+    "terminate called without an active exception"). Safe to call more than once.
+    """
+    import gc
+    import time
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        time.sleep(0.05)
+        dist.destroy_process_group()

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from kwplug.testing.distributed import child_environment, free_port
 
 
 def torchrun(
@@ -52,8 +45,7 @@ def torchrun(
         str(script),
         *args,
     ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    full_env.pop("WORLD_SIZE", None)
+    full_env = child_environment(env)
     result = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=full_env, check=False
     )

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import gc
 import importlib
 import os
 import pickle
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from kwplug.environment import end_process_group
 
 
 def main(folder: Path) -> int:
@@ -35,17 +35,8 @@ def main(folder: Path) -> int:
         (folder / f"rank_{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
-        _end_process_group()
+        end_process_group()  # a DDP reducer must go before its process group
     return 0
-
-
-def _end_process_group() -> None:
-    import torch.distributed as dist
-
-    gc.collect()  # a DDP reducer must go before its process group
-    if dist.is_available() and dist.is_initialized():
-        time.sleep(0.05)  # let gloo's threads release the last collective's buffers
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
