@@ -344,10 +344,8 @@ class DistributedDataParallelKwargs(KwargsHandler):
                 annotation).
         """
         if world_size <= 1:
-            # Not wrapped; but a misspelt hook name or a bad option must not pass
-            # single-process runs.
-            if isinstance(self.comm_hook, str) and self.comm_hook != DDPCommunicationHookType.NO:
-                self._record(comm_hooks).check(self.comm_state_option)
+            # Not wrapped; the handler may have changed since Accelerator() checked it.
+            self.validate_setup(comm_hooks)
             return None
         hook, state = self._hook_and_state(comm_hooks, list(model.parameters()))
         device_ids = [device.index] if device.type != "cpu" and device.index is not None else None
