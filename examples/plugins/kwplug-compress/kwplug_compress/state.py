@@ -106,8 +106,23 @@ class ResidualMemory:
         }
 
 
+class _CheckpointedResiduals:
+    """``state_dict``/``load_state_dict`` of a hook state holding a :class:`ResidualMemory`:
+    what ``Accelerator.save_state`` saves per rank (the options are configuration)."""
+
+    memory: ResidualMemory
+
+    def state_dict(self) -> dict[str, Any]:
+        """The residuals, for ``Accelerator.save_state`` (see :meth:`ResidualMemory.state_dict`)."""
+        return self.memory.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; the options stay as configured."""
+        self.memory.load_state_dict(state)
+
+
 @dataclass(eq=False)
-class Int8State:
+class Int8State(_CheckpointedResiduals):
     """State of the ``"int8"`` hook.
 
     Attributes:
@@ -125,17 +140,9 @@ class Int8State:
     error_feedback: bool = False
     memory: ResidualMemory = field(default_factory=ResidualMemory)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The residuals, for ``Accelerator.save_state`` (see :meth:`ResidualMemory.state_dict`)."""
-        return self.memory.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; the options stay as configured."""
-        self.memory.load_state_dict(state)
-
 
 @dataclass(eq=False)
-class TopKState:
+class TopKState(_CheckpointedResiduals):
     """State of the ``"topk"`` hook.
 
     Attributes:
@@ -151,14 +158,6 @@ class TopKState:
     ratio: float = 0.01
     error_feedback: bool = True
     memory: ResidualMemory = field(default_factory=ResidualMemory)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The residuals, for ``Accelerator.save_state`` (see :meth:`ResidualMemory.state_dict`)."""
-        return self.memory.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; the options stay as configured."""
-        self.memory.load_state_dict(state)
 
 
 def _checked(hook: str, options: Any, accepted: Mapping[str, Any]) -> dict[str, Any]:
