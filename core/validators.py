@@ -1,64 +1,219 @@
-"""attrs validators shared by handlers, with messages that name the field and what it accepts.
+"""attrs validators shared by handlers, and the one checker of option dictionaries.
 
-They complement ``attrs.validators`` (``instance_of``, ``in_``, ``optional``...), which already
-name the field, for the cases those get wrong for handler options: ``bool`` passing as an
-``int``, and numeric ranges.
+The validators complement ``attrs.validators`` (``instance_of``, ``in_``, ``optional``,
+``is_callable``, ``deep_mapping``...), which handlers use wherever their message says enough,
+for what those get wrong for handler options: a ``bool`` passing as an ``int``, and ranges with
+a message that says what is accepted. They are written the attrs way: small callable objects
+``validator(instance, attribute, value)`` with a readable ``repr``, usable in
+``attrs.field(validator=...)`` and inside ``attrs.validators.optional``/``and_``.
+
+:class:`OptionSchema` checks a ``dict`` of named options (PowerSGD's ``comm_state_option``,
+the profiler's ``schedule_option``, a plugin's hook options) with the same validators, one per
+key: unknown keys, required keys and every value are checked in one place.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import attrs
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
+__all__ = ["OptionSchema", "Validator", "number", "optional_bool", "strict_bool"]
 
-def number(*, integer: bool = False, gt: float | None = None, ge: float | None = None) -> Validator:
-    """Validate a finite real number (never a ``bool``), optionally an ``int``, in a range.
+
+@attrs.frozen
+class _OptionKey:
+    # Stands for the attrs.Attribute when OptionSchema runs a validator on an option's value:
+    # validators (attrs's own too) only read ``.name``; ``name`` is the full label.
+    name: str
+
+
+def _label(attribute: Any) -> str:
+    # A field is named quoted ('bucket_cap_mb'); an option by its schema's label.
+    return attribute.name if isinstance(attribute, _OptionKey) else f"'{attribute.name}'"
+
+
+@attrs.frozen(repr=False)
+class _Number:
+    integer: bool
+    gt: float | None
+    ge: float | None
+    lt: float | None
+    le: float | None
+    finite: bool
+    description: str | None
+
+    def _bounds(self) -> str:
+        limits = [("> ", self.gt), (">= ", self.ge), ("< ", self.lt), ("<= ", self.le)]
+        return " and ".join(f"{op}{bound:g}" for op, bound in limits if bound is not None)
+
+    def __call__(self, instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        label = _label(attribute)
+        kinds: tuple[type, ...] = (int,) if self.integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            wanted = self.description or ("an int" if self.integer else "a number (int or float)")
+            raise TypeError(
+                f"{label} must be {wanted}, got {value!r} of type {type(value).__name__}"
+            )
+        number = cast(float, value)  # int or float, checked above
+        if self.finite and not math.isfinite(number):
+            raise ValueError(f"{label} must be {self.description or 'finite'}, got {value!r}")
+        in_range = (
+            (self.gt is None or number > self.gt)
+            and (self.ge is None or number >= self.ge)
+            and (self.lt is None or number < self.lt)
+            and (self.le is None or number <= self.le)
+        )  # False for NaN whatever the bounds
+        if not in_range:
+            raise ValueError(f"{label} must be {self.description or self._bounds()}, got {value!r}")
+
+    def __repr__(self) -> str:
+        kind = "int" if self.integer else "number"
+        bounds = self._bounds()
+        return f"<{kind} validator{' ' + bounds if bounds else ''}>"
+
+
+def number(
+    *,
+    integer: bool = False,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    finite: bool = True,
+    description: str | None = None,
+) -> Validator:
+    """Validate a real number (never a ``bool``), optionally an ``int``, in a range.
+
+    Args:
+        integer: accept only ``int`` (default: ``int`` or ``float``).
+        gt, ge, lt, le: optional bounds (``>``, ``>=``, ``<``, ``<=``); NaN is never in range.
+        finite: refuse NaN and infinities (default ``True``), checked before the bounds.
+        description: what the messages say is accepted (e.g. ``"a float in (0, 1]"``),
+            instead of ``"an int"``/``"a number (int or float)"``, ``"finite"`` and the bounds.
+
+    Returns:
+        A validator ``(instance, attribute, value)`` for ``attrs.field`` or
+        :class:`OptionSchema`.
 
     Raises (from the validator):
         TypeError: the value is not an ``int`` (or ``float`` unless ``integer``), or is a bool.
-        ValueError: the value is NaN/infinite or outside the range.
+        ValueError: the value is NaN/infinite (with ``finite``) or outside the range.
     """
-    kinds: tuple[type, ...] = (int,) if integer else (int, float)
-    wanted = "an int" if integer else "a number (int or float)"
-    bounds = []
-    if gt is not None:
-        bounds.append(f"> {gt}")
-    if ge is not None:
-        bounds.append(f">= {ge}")
+    return _Number(integer, gt, ge, lt, le, finite, description)
 
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        number: float
-        if isinstance(value, bool) or not isinstance(value, kinds):
+
+@attrs.frozen(repr=False)
+class _Bool:
+    allow_none: bool
+
+    def __call__(self, instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if isinstance(value, bool) or (self.allow_none and value is None):
+            return
+        wanted = "None, True or False" if self.allow_none else "True or False"
+        raise TypeError(
+            f"{_label(attribute)} must be {wanted}, got {value!r} of type {type(value).__name__}"
+        )
+
+    def __repr__(self) -> str:
+        return f"<{'optional ' if self.allow_none else ''}strict bool validator>"
+
+
+#: Validate a ``bool`` (``0``/``1`` are rejected: they are usually a typo). Raises
+#: ``TypeError``.
+strict_bool: Validator = _Bool(allow_none=False)
+
+#: Validate ``None``, ``True`` or ``False``. Raises ``TypeError``.
+optional_bool: Validator = _Bool(allow_none=True)
+
+
+def _names(keys: Any) -> str:
+    return ", ".join(map(repr, sorted(keys, key=str)))
+
+
+@attrs.frozen
+class OptionSchema:
+    """What a ``dict`` of named options accepts, and the one check of such a dict.
+
+    Used for PowerSGD's ``comm_state_option``, ``ProfileKwargs.schedule_option`` and the
+    options of plugins' communication hooks (e.g. kwplug-compress), so that every such dict
+    refuses ``bool`` numbers, unknown keys and out-of-range values with the same messages.
+
+    Attributes:
+        validators: option name -> validator (e.g. :func:`number`, :data:`strict_bool`, an
+            ``attrs.validators`` one); the messages name the option by ``label``.
+        name: what the dict is called in messages, e.g. ``"comm_state_option"``.
+        accepted: the accepted names, in the order messages list them; default: the keys of
+            ``validators``. A name here without a validator is accepted unchecked.
+        required: names that must be present.
+        defaults: values of omitted options, returned by :meth:`check` and shown in messages.
+        label: ``str.format`` template naming one option's value, with ``key`` (default
+            ``"{name}[{key!r}]"``, e.g. ``comm_state_option['rank']``).
+        unknown: template of the unknown-key message, with ``name``, ``names`` (the unknown
+            keys, quoted) and ``accepted``.
+        missing: template of the missing-key message, with ``name``, ``names`` and
+            ``accepted``.
+        accepted_item: template of one accepted name in ``{accepted}``, with ``key`` and
+            ``default`` (e.g. ``"{key} (default {default!r})"``); default ``"{key!r}"``.
+    """
+
+    validators: Mapping[str, Validator]
+    name: str = "options"
+    accepted: tuple[str, ...] | None = None
+    required: tuple[str, ...] = ()
+    defaults: Mapping[str, Any] = attrs.field(factory=dict)
+    label: str = "{name}[{key!r}]"
+    unknown: str = "unknown option(s) {names} in {name}; accepted: {accepted}"
+    missing: str = "{name} needs the option(s) {names}; accepted: {accepted}"
+    accepted_item: str = "{key!r}"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The accepted option names, in order."""
+        return self.accepted if self.accepted is not None else tuple(self.validators)
+
+    def _accepted(self) -> str:
+        return ", ".join(
+            self.accepted_item.format(key=key, default=self.defaults.get(key)) for key in self.names
+        )
+
+    def _message(self, template: str, keys: list[Any]) -> str:
+        return template.format(name=self.name, names=_names(keys), accepted=self._accepted())
+
+    def check(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Check ``options``: a mapping, no unknown key, every required key, valid values.
+
+        Args:
+            options: option name -> value.
+
+        Returns:
+            A new dict: :attr:`defaults` updated with ``options``.
+
+        Raises:
+            TypeError: ``options`` is not a mapping, or a value's type is refused.
+            ValueError: an unknown or missing key (the message lists the accepted names), or a
+                value out of range.
+        """
+        if not isinstance(options, Mapping):
             raise TypeError(
-                f"'{attribute.name}' must be {wanted}, got {value!r} of type {type(value).__name__}"
+                f"{self.name} must be a mapping of option name to value, got "
+                f"{type(options).__name__}"
             )
-        number = cast(float, value)  # int or float, checked above
-        if not math.isfinite(number):
-            raise ValueError(f"'{attribute.name}' must be finite, got {value!r}")
-        if (gt is not None and not number > gt) or (ge is not None and not number >= ge):
-            raise ValueError(f"'{attribute.name}' must be {' and '.join(bounds)}, got {value!r}")
-
-    return check
-
-
-def strict_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """Validate a ``bool`` (``0``/``1`` are rejected: they are usually a typo)."""
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"'{attribute.name}' must be True or False, got {value!r} of type "
-            f"{type(value).__name__}"
-        )
-
-
-def optional_bool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """Validate ``None``, ``True`` or ``False``."""
-    if value is not None and not isinstance(value, bool):
-        raise TypeError(
-            f"'{attribute.name}' must be None, True or False, got {value!r} of type "
-            f"{type(value).__name__}"
-        )
+        accepted = self.names
+        unknown = [key for key in options if key not in accepted]
+        if unknown:
+            raise ValueError(self._message(self.unknown, unknown))
+        missing = [key for key in self.required if key not in options]
+        if missing:
+            raise ValueError(self._message(self.missing, missing))
+        values = {**self.defaults, **options}
+        for key, value in values.items():
+            validator = self.validators.get(key)
+            if validator is not None:
+                place = _OptionKey(self.label.format(name=self.name, key=key))
+                validator(None, cast("attrs.Attribute[Any]", place), value)
+        return values

@@ -40,13 +40,8 @@ class DDPCommunicationHookType(str, enum.Enum):
 
 
 _HOOK_VALUES = tuple(member.value for member in DDPCommunicationHookType)
-_WRAPPERS = (
-    DDPCommunicationHookType.NO,
-    DDPCommunicationHookType.FP16,
-    DDPCommunicationHookType.BF16,
-)
-_WRAPPER_VALUES = tuple(member.value for member in _WRAPPERS)
-_POWER_SGD_HOOKS = (DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD)
+# "no" plus the table's rows that have a compression wrapper.
+_WRAPPER_VALUES = (DDPCommunicationHookType.NO.value, *ddp_comm_hooks.COMPRESSION_WRAPPERS)
 
 
 def _is_layout_dependent(hook: Any) -> bool:
@@ -108,24 +103,24 @@ def _check_comm_hook(instance: Any, attribute: attrs.Attribute[Any], value: Any)
 
 
 def _check_comm_wrapper(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    wanted = f"DDPCommunicationHookType.NO/FP16/BF16 or one of {_quoted(_WRAPPER_VALUES)}"
+    members = "/".join(value.upper() for value in _WRAPPER_VALUES)
+    wanted = f"DDPCommunicationHookType.{members} or one of {_quoted(_WRAPPER_VALUES)}"
     if not isinstance(value, str):
         raise TypeError(
             f"'{attribute.name}' must be {wanted}, got {value!r} of type {type(value).__name__}"
         )
-    if value not in _WRAPPERS:
+    if value not in _WRAPPER_VALUES:
         raise ValueError(f"'{attribute.name}' must be {wanted}, got {str(value)!r}")
 
 
-def _check_state_option(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, dict):
-        raise TypeError(
-            f"'{attribute.name}' must be a dict of option name (str) to value, got {value!r} of "
-            f"type {type(value).__name__}"
-        )
+def _check_str_keys(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     bad = [key for key in value if not isinstance(key, str)]
     if bad:
         raise TypeError(f"'{attribute.name}' keys must be str, got {bad!r}")
+
+
+# attrs names the field and says "must be <class 'dict'>"; the keys get their own message.
+_check_state_option = attrs.validators.and_(attrs.validators.instance_of(dict), _check_str_keys)
 
 
 @attrs.define
@@ -226,8 +221,13 @@ class DistributedDataParallelKwargs(KwargsHandler):
         hook, options = self.comm_hook, self.comm_state_option
         if not options:
             return
-        if hook in _POWER_SGD_HOOKS:
-            ddp_comm_hooks.check_power_sgd_options(options)
+        builtin = (
+            ddp_comm_hooks.BUILTIN_BY_NAME.get(hook.value)
+            if isinstance(hook, DDPCommunicationHookType)
+            else None
+        )
+        if builtin is not None and builtin.options is not None:
+            builtin.options.check(options)
         elif isinstance(hook, DDPCommunicationHookType) or not isinstance(hook, str):
             described = f"{str(hook)!r}" if isinstance(hook, str) else f"the callable {hook!r}"
             raise ValueError(

@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity
 
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import hookimpl
-from kwplug.validators import strict_bool
+from kwplug.validators import OptionSchema, number, strict_bool
 
 TraceHandler = Callable[[torch.profiler.profile], Any]
 
@@ -100,43 +100,36 @@ def _copy_mapping(value: Any) -> Any:
     return dict(value) if isinstance(value, Mapping) else value
 
 
+#: What ``ProfileKwargs.schedule_option`` accepts: ``int`` step counts, ``active`` >= 1
+#: (required), the others >= 0.
+SCHEDULE_SCHEMA = OptionSchema(
+    {key: number(integer=True, ge=1 if key == "active" else 0) for key in SCHEDULE_KEYS},
+    name="schedule_option",
+    required=("active",),
+    label="'{name}[{key!r}]'",
+    unknown="'{name}' has unknown key(s) {names}; accepted: {accepted}",
+    missing="'{name}' needs the key {names} (number of recorded steps per cycle, >= 1); "
+    "the other keys ({accepted}) default to 0",
+)
+
+
 def _check_schedule_option(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
-    accepted = ", ".join(map(repr, SCHEDULE_KEYS))
     if not isinstance(value, dict):
         raise TypeError(
-            f"'{attribute.name}' must be None or a dict with keys among {accepted} (arguments "
-            f"of torch.profiler.schedule), got {value!r} of type {type(value).__name__}"
+            f"'{attribute.name}' must be None or a dict with keys among "
+            f"{', '.join(map(repr, SCHEDULE_KEYS))} (arguments of torch.profiler.schedule), "
+            f"got {value!r} of type {type(value).__name__}"
         )
-    unknown = [key for key in value if key not in SCHEDULE_KEYS]
-    if unknown:
-        raise ValueError(
-            f"'{attribute.name}' has unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"accepted: {accepted}"
-        )
-    if "active" not in value:
-        raise ValueError(
-            f"'{attribute.name}' needs the key 'active' (number of recorded steps per cycle, "
-            f">= 1); the other keys ({accepted}) default to 0"
-        )
-    for key, number in value.items():
-        if isinstance(number, bool) or not isinstance(number, int):
-            raise TypeError(
-                f"'{attribute.name}[{key!r}]' must be an int, got {number!r} of type "
-                f"{type(number).__name__}"
-            )
-        low = 1 if key == "active" else 0
-        if number < low:
-            raise ValueError(f"'{attribute.name}[{key!r}]' must be >= {low}, got {number!r}")
+    SCHEDULE_SCHEMA.check(value)
 
 
-def _check_callable(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not callable(value):
-        raise TypeError(
-            f"'{attribute.name}' must be None or a callable taking the profiler "
-            f"(on_trace_ready(prof)), got {value!r} of type {type(value).__name__}"
-        )
+# build(rank=...): an int >= 0 (None was replaced by the actual rank).
+_RANK = OptionSchema({"rank": number(integer=True, ge=0)}, label="{key}")
+
+# attrs's own message names the field and says "must be callable".
+_OPTIONAL_CALLABLE = attrs.validators.optional(attrs.validators.is_callable())
 
 
 def _check_dir(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -233,7 +226,7 @@ class ProfileKwargs(KwargsHandler):
     schedule_option: dict[str, int] | None = attrs.field(
         default=None, converter=_copy_mapping, validator=_check_schedule_option
     )
-    on_trace_ready: TraceHandler | None = attrs.field(default=None, validator=_check_callable)
+    on_trace_ready: TraceHandler | None = attrs.field(default=None, validator=_OPTIONAL_CALLABLE)
     record_shapes: bool = attrs.field(default=False, validator=strict_bool)
     profile_memory: bool = attrs.field(default=False, validator=strict_bool)
     with_stack: bool = attrs.field(default=False, validator=strict_bool)
@@ -276,12 +269,7 @@ class ProfileKwargs(KwargsHandler):
         attrs.validate(self)
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise TypeError(
-                f"rank must be None or an int, got {rank!r} of type {type(rank).__name__}"
-            )
-        if rank < 0:
-            raise ValueError(f"rank must be >= 0, got {rank!r}")
+        _RANK.check({"rank": rank})
         schedule = None
         if self.schedule_option is not None:
             options = {"wait": 0, "warmup": 0, **self.schedule_option}

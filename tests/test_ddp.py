@@ -27,6 +27,7 @@ from kwplug import DDPCommunicationHookType, DistributedDataParallelKwargs
 from kwplug.comm_hooks import CommHook
 from kwplug.handler import TO_KWARGS
 from kwplug.plugins import ddp_comm_hooks as hooks
+from kwplug.plugins.ddp_comm_hooks._power_sgd import _orthonormalize_columns
 from kwplug.testing import PluginSandbox
 
 H = DDPCommunicationHookType
@@ -566,17 +567,17 @@ def test_batched_power_sgd_zero_gradient_stays_finite() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_orthonormalize_columns(dtype: torch.dtype) -> None:
     batch = torch.randn(2, 10, 3).to(dtype)
-    hooks._orthonormalize_columns(batch)
+    _orthonormalize_columns(batch)
     gram = batch.float().transpose(1, 2) @ batch.float()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(gram, torch.eye(3).expand(2, 3, 3), atol=tol, rtol=0)
     zero = torch.zeros(1, 4, 2)
-    hooks._orthonormalize_columns(zero)
+    _orthonormalize_columns(zero)
     assert torch.equal(zero, torch.zeros(1, 4, 2))
     with pytest.raises(ValueError, match="rows, cols"):
-        hooks._orthonormalize_columns(torch.randn(4, 2))
+        _orthonormalize_columns(torch.randn(4, 2))
     with pytest.raises(ValueError, match="cols <= rows"):
-        hooks._orthonormalize_columns(torch.randn(1, 2, 4))
+        _orthonormalize_columns(torch.randn(1, 2, 4))
 
 
 def test_make_power_sgd_state() -> None:

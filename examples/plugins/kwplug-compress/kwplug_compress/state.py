@@ -6,13 +6,14 @@ The factories here check every option first, so a misspelt key or a bad value fa
 DDP is built and before any collective runs.
 """
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from kwplug.validators import OptionSchema, Validator, number, strict_bool
 
 __all__ = [
     "INT8_OPTIONS",
@@ -160,26 +161,28 @@ class TopKState(_CheckpointedResiduals):
     memory: ResidualMemory = field(default_factory=ResidualMemory)
 
 
-def _checked(hook: str, options: Any, accepted: Mapping[str, Any]) -> dict[str, Any]:
-    # Unknown keys first: a misspelt key is the likeliest mistake, name what is accepted.
-    if not isinstance(options, Mapping):
-        raise TypeError(
-            f"comm_state_option of the {hook!r} hook must be a mapping, "
-            f"got {type(options).__name__}"
-        )
-    unknown = sorted(map(repr, set(options) - set(accepted)))
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {', '.join(unknown)} in comm_state_option of the {hook!r} hook; "
-            f"accepted: {', '.join(f'{k} (default {v!r})' for k, v in accepted.items())}"
-        )
-    values = {**accepted, **options}
-    if not isinstance(values["error_feedback"], bool):
-        raise TypeError(
-            f"comm_state_option['error_feedback'] of the {hook!r} hook must be True or False, "
-            f"got {values['error_feedback']!r}"
-        )
-    return values
+def _schema(hook: str, defaults: Mapping[str, Any], value: Validator) -> OptionSchema:
+    # kwplug's shared option checker: unknown keys first (a misspelt key is the likeliest
+    # mistake; the message names what is accepted, with defaults), then every value.
+    first = next(iter(defaults))
+    return OptionSchema(
+        {first: value, "error_feedback": strict_bool},
+        name=f"comm_state_option of the {hook!r} hook",
+        defaults=defaults,
+        label=f"comm_state_option[{{key!r}}] of the {hook!r} hook",
+        unknown="unknown option(s) {names} in {name}; accepted: {accepted}",
+        accepted_item="{key} (default {default!r})",
+    )
+
+
+_INT8_SCHEMA = _schema(
+    "int8", INT8_OPTIONS, number(integer=True, ge=1, description="an int >= 1 (elements per scale)")
+)
+_TOPK_SCHEMA = _schema(
+    "topk",
+    TOPK_OPTIONS,
+    number(gt=0, le=1, description="a float in (0, 1] (the fraction of each bucket sent)"),
+)
 
 
 def make_int8_state(
@@ -208,19 +211,8 @@ def check_int8_options(options: Mapping[str, Any]) -> tuple[int, bool]:
         TypeError: ``options`` is not a mapping, ``chunk_size`` is not an ``int`` (``bool``
             is refused), or ``error_feedback`` is not a ``bool``.
     """
-    values = _checked("int8", options, INT8_OPTIONS)
-    chunk_size = values["chunk_size"]
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(
-            f"comm_state_option['chunk_size'] of the 'int8' hook must be an int >= 1 (elements "
-            f"per scale), got {chunk_size!r}"
-        )
-    if chunk_size < 1:
-        raise ValueError(
-            f"comm_state_option['chunk_size'] of the 'int8' hook must be >= 1 (elements per "
-            f"scale), got {chunk_size!r}"
-        )
-    return chunk_size, values["error_feedback"]
+    values = _INT8_SCHEMA.check(options)
+    return values["chunk_size"], values["error_feedback"]
 
 
 def make_topk_state(
@@ -250,16 +242,6 @@ def check_topk_options(options: Mapping[str, Any]) -> tuple[float, bool]:
             refused; an ``int`` such as ``1`` is accepted), or ``error_feedback`` is not a
             ``bool``.
     """
-    values = _checked("topk", options, TOPK_OPTIONS)
+    values = _TOPK_SCHEMA.check(options)
     ratio = values["ratio"]
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise TypeError(
-            f"comm_state_option['ratio'] of the 'topk' hook must be a float in (0, 1], "
-            f"got {ratio!r}"
-        )
-    if not (0.0 < ratio <= 1.0) or math.isnan(ratio):
-        raise ValueError(
-            f"comm_state_option['ratio'] of the 'topk' hook must be a float in (0, 1] (the "
-            f"fraction of each bucket sent), got {ratio!r}"
-        )
     return float(ratio), values["error_feedback"]

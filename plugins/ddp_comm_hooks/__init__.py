@@ -1,0 +1,96 @@
+"""kwplug's built-in DDP communication hooks, contributed through the ``comm_hooks`` hook.
+
+This package is itself a plugin object (entry point ``ddp_comm_hooks`` of the
+``kwplug.handlers`` group): its module-level :func:`comm_hooks` implementation gives the named
+hooks of :data:`BUILTIN_HOOKS` (``"fp16"``, ``"bf16"``, ``"power_sgd"``,
+``"batched_power_sgd"``; source ``"kwplug"``) once per Accelerator, whatever handlers are
+registered. :data:`BUILTIN_HOOKS` is the one table of built-in hooks: the names, the
+``comm_wrapper`` factories and the layout-dependent hooks are all derived from it.
+
+Every hook follows PyTorch's contract for
+``torch.nn.parallel.DistributedDataParallel.register_comm_hook``:
+``hook(state, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]``,
+where the future's tensor is the *averaged* gradient bucket (same shape as
+``bucket.buffer()``).
+
+Modules (private; import the names from here): ``_table`` (the table), ``_allreduce`` (plain
+and low-precision all-reduce, compression wrappers), ``_power_sgd`` (PowerSGD state, options
+and the batched hook), ``_canonical`` (the layout-independent bucket view that makes a resumed
+PowerSGD run exact), ``_adapters`` (gloo serialisation, making any callable acceptable to
+DDP), ``_common`` (shared helpers).
+"""
+
+from collections.abc import Mapping
+
+from kwplug.comm_hooks import CommHook
+from kwplug.hookspecs import hookimpl
+from kwplug.plugins.ddp_comm_hooks._adapters import ddp_compatible_hook, serialized_hook
+from kwplug.plugins.ddp_comm_hooks._allreduce import (
+    bf16_compress_allreduce_hook,
+    bf16_compress_wrapper,
+    fp16_compress_allreduce_hook,
+    fp16_compress_wrapper,
+    mean_allreduce_hook,
+)
+from kwplug.plugins.ddp_comm_hooks._canonical import (
+    BucketKey,
+    CanonicalBucket,
+    canonical_bucket_hook,
+)
+from kwplug.plugins.ddp_comm_hooks._power_sgd import (
+    POWER_SGD_OPTIONS,
+    POWER_SGD_SCHEMA,
+    batched_power_sgd_hook,
+    check_power_sgd_options,
+    make_power_sgd_state,
+    power_sgd_state_buckets,
+)
+from kwplug.plugins.ddp_comm_hooks._table import (
+    BUILTIN_BY_NAME,
+    BUILTIN_HOOK_NAMES,
+    BUILTIN_HOOKS,
+    COMPRESSION_WRAPPERS,
+    LAYOUT_DEPENDENT_HOOKS,
+    SOURCE,
+    BuiltinHook,
+    builtin_comm_hooks,
+)
+
+__all__ = [
+    "BUILTIN_BY_NAME",
+    "BUILTIN_HOOKS",
+    "BUILTIN_HOOK_NAMES",
+    "COMPRESSION_WRAPPERS",
+    "LAYOUT_DEPENDENT_HOOKS",
+    "POWER_SGD_OPTIONS",
+    "POWER_SGD_SCHEMA",
+    "SOURCE",
+    "BucketKey",
+    "BuiltinHook",
+    "CanonicalBucket",
+    "batched_power_sgd_hook",
+    "bf16_compress_allreduce_hook",
+    "bf16_compress_wrapper",
+    "builtin_comm_hooks",
+    "canonical_bucket_hook",
+    "check_power_sgd_options",
+    "comm_hooks",
+    "ddp_compatible_hook",
+    "fp16_compress_allreduce_hook",
+    "fp16_compress_wrapper",
+    "make_power_sgd_state",
+    "mean_allreduce_hook",
+    "power_sgd_state_buckets",
+    "serialized_hook",
+]
+
+
+@hookimpl
+def comm_hooks() -> Mapping[str, CommHook]:
+    """Answer the ``comm_hooks`` hook with :func:`builtin_comm_hooks`.
+
+    A module-level implementation, so that the hooks are contributed exactly once per
+    Accelerator (the ``DistributedDataParallelKwargs`` handler may be registered both as the
+    default instance and as the user's).
+    """
+    return builtin_comm_hooks()

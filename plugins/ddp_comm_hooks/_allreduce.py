@@ -1,0 +1,115 @@
+"""Plain and low-precision all-reduce hooks, and the ``comm_wrapper`` compression wrappers.
+
+The plain and float16 hooks are torch's own
+(``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``). The bfloat16 hook delegates to
+torch's ``bf16_compress_hook`` under another name: ``DistributedDataParallel`` refuses a hook
+*named* ``bf16_compress_hook`` or ``bf16_compress_wrapper_hook`` unless CUDA with NCCL >= 2.10
+(or XPU with XCCL) is present, although gloo all-reduces ``torch.bfloat16`` tensors fine. The
+wrappers are kwplug's: they return the bucket's own full-precision buffer (torch's return the
+low-precision copy) and are not named like torch's bfloat16 wrapper, for the same reason.
+"""
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from kwplug.comm_hooks import HookFn
+from kwplug.plugins.ddp_comm_hooks._common import GradBucket, describe, future_tensor
+
+#: Average the bucket over the group with one asynchronous all-reduce: what DDP does without
+#: a hook. torch's ``default_hooks.allreduce_hook``; kwplug uses it as the inner hook when
+#: ``comm_wrapper`` is set but ``comm_hook`` is ``"no"``. State: the process group (``None`` =
+#: the default group).
+mean_allreduce_hook = default_hooks.allreduce_hook
+
+#: Average the bucket with an all-reduce in ``torch.float16`` (half the traffic of float32):
+#: torch's ``default_hooks.fp16_compress_hook``, which casts the buffer to float16, divides
+#: by the world size, all-reduces and copies the result back into the buffer in its own
+#: dtype. State: the process group (``None`` = the default group).
+fp16_compress_allreduce_hook = default_hooks.fp16_compress_hook
+
+
+def bf16_compress_allreduce_hook(
+    process_group: dist.ProcessGroup | None, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket with an all-reduce in ``torch.bfloat16``.
+
+    Runs torch's ``default_hooks.bf16_compress_hook`` (float32's range, 8 bits of mantissa)
+    under a name ``DistributedDataParallel`` does not refuse, so that it works on any backend
+    that all-reduces bfloat16, including gloo on CPU.
+
+    Args:
+        process_group: ``torch.distributed.ProcessGroup`` or ``None`` (default group); the
+            hook's state, so ``DistributedDataParallelKwargs.comm_state_option`` must be empty.
+        bucket: the ``torch.distributed.GradBucket`` DDP hands to the hook.
+
+    Returns:
+        A future of the averaged bucket buffer (original dtype, bfloat16 precision).
+    """
+    # torch annotates ProcessGroup but treats None as the default group, as DDP passes it.
+    return default_hooks.bf16_compress_hook(process_group, bucket)  # type: ignore[arg-type]
+
+
+def _compress_wrapper(hook: HookFn, dtype: torch.dtype, label: str) -> HookFn:
+    if not callable(hook):
+        raise TypeError(f"{label} wraps a callable hook(state, bucket), got {hook!r}")
+
+    def wrapped(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        full = bucket.buffer()
+        bucket.set_buffer(full.to(dtype))
+        inner_future = hook(state, bucket)
+
+        def decompress(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            full.copy_(future_tensor(fut))
+            return full
+
+        return inner_future.then(decompress)
+
+    inner_name = describe(hook)
+    # Not torch's "bf16_compress_wrapper_hook": DDP rejects that name without CUDA+NCCL.
+    wrapped.__name__ = f"kwplug_{label}_hook"
+    wrapped.__qualname__ = f"kwplug_{label}_hook[{inner_name}]"
+    wrapped.__doc__ = f"{hook!r} run on a {dtype} copy of the bucket (kwplug {label})."
+    return wrapped
+
+
+def fp16_compress_wrapper(hook: HookFn) -> HookFn:
+    """Run ``hook`` on a ``torch.float16`` copy of the bucket, then cast the result back.
+
+    The returned hook casts ``bucket.buffer()`` to float16 and installs the copy with
+    ``bucket.set_buffer``, calls ``hook(state, bucket)`` (so e.g. PowerSGD compresses and
+    all-reduces float16 matrices), and copies the future's result into the original buffer
+    in its own dtype. Maps to ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.
+    fp16_compress_wrapper``.
+
+    Args:
+        hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``; its state is
+            passed through unchanged.
+
+    Returns:
+        The wrapped hook, with the same ``(state, bucket)`` signature.
+
+    Raises:
+        TypeError: ``hook`` is not callable.
+    """
+    return _compress_wrapper(hook, torch.float16, "fp16_compress_wrapper")
+
+
+def bf16_compress_wrapper(hook: HookFn) -> HookFn:
+    """Run ``hook`` on a ``torch.bfloat16`` copy of the bucket, then cast the result back.
+
+    Like :func:`fp16_compress_wrapper` with bfloat16. Unlike torch's ``bf16_compress_wrapper``
+    (whose result DDP rejects without CUDA+NCCL or XPU+XCCL), it works with gloo on CPU.
+
+    Args:
+        hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``.
+
+    Returns:
+        The wrapped hook.
+
+    Raises:
+        TypeError: ``hook`` is not callable.
+    """
+    return _compress_wrapper(hook, torch.bfloat16, "bf16_compress_wrapper")

@@ -1,0 +1,320 @@
+"""The canonical bucket layout: hook state that does not depend on DDP's bucket layout.
+
+DDP rebuilds its buckets after the first step, in the order gradients became ready, so a hook
+whose state is keyed by ``bucket.index()`` and laid out like ``bucket.buffer()`` (PowerSGD)
+sees another layout in a freshly built DDP than in the process that saved its state.
+:func:`canonical_bucket_hook` hands such a hook a :class:`CanonicalBucket` instead.
+"""
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, cast
+
+import attrs
+import torch
+
+from kwplug.comm_hooks import HookFn
+from kwplug.plugins.ddp_comm_hooks._common import GradBucket, describe, future_tensor
+
+#: Key of a :class:`CanonicalBucket`: the sorted canonical indices of its parameters.
+BucketKey = tuple[int, ...]
+
+
+class CanonicalBucket:
+    """A layout-independent stand-in for a ``torch.distributed.GradBucket``.
+
+    Built by :func:`canonical_bucket_hook` for the hook it wraps. It offers the methods
+    PowerSGD, kwplug's hooks and the compression wrappers call on a bucket, with the bucket's
+    parameters in their canonical order (their order in ``model.parameters()``) rather than in
+    DDP's bucket order, which DDP changes when it rebuilds its buckets after the first step.
+
+    Args:
+        buffer: the flat gradients of the parameters, concatenated in canonical order.
+        key: what :meth:`index` returns, the sorted canonical indices of the parameters.
+        is_last: what :meth:`is_last` returns.
+        parameters: the parameters, in canonical order.
+        shapes: the gradients' shapes, in canonical order (their sizes add up to the
+            buffer's length).
+    """
+
+    __slots__ = ("_buffer", "_is_last", "_key", "_parameters", "_shapes")
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        key: BucketKey,
+        is_last: bool,
+        parameters: list[torch.Tensor],
+        shapes: list[torch.Size],
+    ) -> None:
+        self._buffer = buffer
+        self._key = key
+        self._is_last = is_last
+        self._parameters = parameters
+        self._shapes = shapes
+
+    def buffer(self) -> torch.Tensor:
+        """The flat gradient buffer, in canonical order (or what :meth:`set_buffer` set)."""
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the buffer (same number of elements; e.g. a low-precision copy)."""
+        if tensor.numel() != self._buffer.numel():
+            raise ValueError(
+                f"set_buffer: the bucket holds {self._buffer.numel()} elements, "
+                f"got a tensor of {tensor.numel()}"
+            )
+        self._buffer = tensor
+
+    def index(self) -> BucketKey:
+        """A stable id: the sorted canonical indices of the bucket's parameters.
+
+        Unlike ``GradBucket.index()``, it does not change when DDP rebuilds its buckets, and
+        the same parameters always get the same id. It is a tuple, not an ``int``.
+        """
+        return self._key
+
+    def is_last(self) -> bool:
+        """Whether this is the step's last bucket (PowerSGD counts steps on it)."""
+        return self._is_last
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The bucket's parameters, in canonical order."""
+        return list(self._parameters)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Per-parameter gradients: views into :meth:`buffer`, in canonical order."""
+        views = []
+        offset = 0
+        for shape in self._shapes:
+            numel = math.prod(shape)
+            views.append(self._buffer.narrow(0, offset, numel).view(shape))
+            offset += numel
+        return views
+
+    def __repr__(self) -> str:
+        return f"CanonicalBucket(index={self._key}, numel={self._buffer.numel()})"
+
+
+@attrs.frozen
+class _Group:
+    # One canonical bucket cut from a real bucket: the real-bucket positions of its
+    # parameters in canonical order, their element offsets in the real buffer and sizes.
+    key: BucketKey
+    positions: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    shapes: tuple[torch.Size, ...]
+    # When the parameters lie in canonical order, back to back, in the real buffer: the
+    # canonical buffer is the slice real[start : start + numel], no copy needed.
+    start: int | None
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+
+@attrs.frozen
+class _Plan:
+    groups: tuple[_Group, ...]
+    # The real buffer is the real-order gradients back to back, nothing else: the scatter of
+    # a single copied group is one torch.cat(..., out=buffer).
+    dense: bool
+
+
+def _known_keys(
+    state: Any, state_buckets: Callable[[Any], Iterable[Any]] | None
+) -> frozenset[BucketKey]:
+    if state_buckets is None:
+        return frozenset()
+    return frozenset(
+        key
+        for key in state_buckets(state)
+        if isinstance(key, tuple) and all(isinstance(i, int) for i in key)
+    )
+
+
+def _partition(indices: list[int], known: frozenset[BucketKey]) -> list[BucketKey]:
+    # The buckets of an earlier layout that exactly tile this bucket, if any (e.g. the first
+    # step after a resume, when DDP still has its initial single bucket while the saved state
+    # has one entry per rebuilt bucket); else the whole bucket as one.
+    whole = tuple(sorted(indices))
+    members = set(whole)
+    if whole in known:
+        return [whole]
+    inside = [key for key in known if key and members.issuperset(key)]
+    covered = [i for key in inside for i in key]
+    if inside and len(covered) == len(members) and set(covered) == members:
+        # DDP fills buckets in gradient-ready order, roughly the reverse of the parameters:
+        # process the tiles the same way (last = the one with the first parameters).
+        return sorted(inside, key=lambda key: key[-1], reverse=True)
+    return [whole]
+
+
+def _make_plan(bucket: GradBucket, order: Mapping[int, int], known: frozenset[BucketKey]) -> _Plan:
+    buffer = bucket.buffer()
+    base = buffer.storage_offset()
+    params = bucket.parameters()
+    grads = bucket.gradients()
+    offsets = [int(grad.storage_offset()) - int(base) for grad in grads]
+    numels = [grad.numel() for grad in grads]
+    # A parameter missing from param_order (should not happen) goes after the known ones.
+    canonical = [order.get(id(p), len(order) + pos) for pos, p in enumerate(params)]
+    position_of = {index: pos for pos, index in enumerate(canonical)}
+    groups = []
+    for key in _partition(canonical, known):
+        positions = tuple(position_of[index] for index in key)
+        group_offsets = tuple(offsets[pos] for pos in positions)
+        group_numels = tuple(numels[pos] for pos in positions)
+        back_to_back = all(
+            group_offsets[i + 1] == group_offsets[i] + group_numels[i]
+            for i in range(len(positions) - 1)
+        )
+        groups.append(
+            _Group(
+                key=key,
+                positions=positions,
+                offsets=group_offsets,
+                numels=group_numels,
+                shapes=tuple(grads[pos].shape for pos in positions),
+                start=group_offsets[0] if back_to_back else None,
+            )
+        )
+    dense = sum(numels) == buffer.numel() and all(
+        offsets[i] == sum(numels[:i]) for i in range(len(offsets))
+    )
+    return _Plan(groups=tuple(groups), dense=dense)
+
+
+def canonical_bucket_hook(
+    hook: HookFn,
+    param_order: Iterable[torch.Tensor],
+    *,
+    state_buckets: Callable[[Any], Iterable[Any]] | None = None,
+) -> HookFn:
+    """Run ``hook`` on a layout-independent view of each DDP gradient bucket.
+
+    DDP lays a bucket's gradients out in its own order and numbers its buckets, and it
+    rebuilds its buckets after the first step, in the order gradients became ready. A hook
+    whose state is keyed by ``bucket.index()`` and laid out like ``bucket.buffer()`` (PowerSGD's
+    error feedback and warm-start P/Q memories) therefore sees a different layout in a freshly
+    built DDP than in the process that saved its state, and a resumed run diverges from an
+    uninterrupted one.
+
+    The returned hook hands ``hook`` a :class:`CanonicalBucket` instead: its ``buffer()`` is
+    the bucket's per-parameter gradients concatenated in canonical order (the order of
+    ``param_order``, normally ``model.parameters()``, matched by identity), ``gradients()`` are
+    views into that buffer and ``parameters()`` follow the same order, ``index()`` is the
+    sorted tuple of the parameters' canonical indices (the same for the same parameters
+    whatever DDP's layout), ``is_last()`` is the bucket's, and ``set_buffer()`` replaces the
+    canonical buffer. When ``hook``'s future completes, its result (canonical order) is copied
+    back into the real bucket's gradient views and the real ``bucket.buffer()`` is returned,
+    as DDP expects. This is correct with ``gradient_as_bucket_view`` either way, since DDP's
+    ``GradBucket.gradients()`` are always views into its buffer.
+
+    With ``state_buckets`` (e.g.
+    :func:`~kwplug.plugins.ddp_comm_hooks.power_sgd_state_buckets`), the keys found in the
+    state also tell how parameters were grouped before: when a real bucket is exactly tiled by
+    several such keys (a resumed run's first step, where DDP still has its initial single
+    bucket and the saved state one entry per rebuilt bucket), ``hook`` runs once per tile, so
+    the state is applied to the same parameter groups as in the saving process.
+
+    Cost per step and bucket: when the bucket's gradients already lie in canonical order (DDP's
+    initial layout) nothing is copied; otherwise (after DDP's rebuild, which typically reverses
+    the order) one gather copy of the bucket into a new canonical buffer and one scatter copy
+    back, i.e. about two extra reads and writes of the bucket's memory and one bucket-sized
+    temporary, plus some Python work per parameter.
+
+    Args:
+        hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``.
+        param_order: the parameters, in canonical order; captured (by identity) now.
+        state_buckets: optional ``state -> keys`` giving the bucket keys held in the hook's
+            state; only tuples of ints are used.
+
+    Returns:
+        A hook DDP accepts; its ``__name__`` and ``__qualname__`` are ``hook``'s, so DDP's logs
+        still name the hook that does the work.
+
+    Raises:
+        TypeError: ``hook`` is not callable.
+    """
+    if not callable(hook):
+        raise TypeError(f"canonical_bucket_hook wraps a callable hook(state, bucket), got {hook!r}")
+    order = {id(p): i for i, p in enumerate(param_order)}
+    plans: dict[tuple[Any, ...], _Plan] = {}
+
+    def canonical_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        params = bucket.parameters()
+        known = _known_keys(state, state_buckets)
+        signature = (bucket.index(), buffer.numel(), tuple(map(id, params)), known)
+        plan = plans.get(signature)
+        if plan is None:
+            if len(plans) >= 64:
+                plans.clear()
+            plan = plans[signature] = _make_plan(bucket, order, known)
+        last = bucket.is_last()
+        views: list[torch.Tensor] = []
+        futures: list[torch.futures.Future[Any]] = []
+        for n, group in enumerate(plan.groups):
+            if group.start is not None:
+                view = buffer.narrow(0, group.start, group.numel)
+            else:
+                view = torch.cat(
+                    [
+                        buffer.narrow(0, offset, numel)
+                        for offset, numel in zip(group.offsets, group.numels, strict=True)
+                    ]
+                )
+            proxy = CanonicalBucket(
+                view,
+                group.key,
+                last and n == len(plan.groups) - 1,
+                [params[pos] for pos in group.positions],
+                list(group.shapes),
+            )
+            views.append(view)
+            futures.append(hook(state, cast("GradBucket", proxy)))
+
+        def scatter(results: list[torch.Tensor]) -> torch.Tensor:
+            for group, view, result in zip(plan.groups, views, results, strict=True):
+                if group.start is not None:
+                    if not _same_memory(result, view):
+                        view.copy_(result)
+                    continue
+                if plan.dense and len(plan.groups) == 1 and result.dtype == buffer.dtype:
+                    pieces: list[torch.Tensor] = [result] * len(group.positions)
+                    starts = itertools.accumulate(group.numels, initial=0)
+                    for pos, start, numel in zip(
+                        group.positions, starts, group.numels, strict=False
+                    ):
+                        pieces[pos] = result.narrow(0, start, numel)
+                    torch.cat(pieces, out=buffer)  # one kernel: gradients back in DDP's order
+                    continue
+                start = 0
+                for offset, numel in zip(group.offsets, group.numels, strict=True):
+                    buffer.narrow(0, offset, numel).copy_(result.narrow(0, start, numel))
+                    start += numel
+            return buffer
+
+        if len(futures) == 1:
+            return futures[0].then(lambda fut: scatter([future_tensor(fut)]))
+        return torch.futures.collect_all(futures).then(
+            lambda fut: scatter([future_tensor(f) for f in fut.value()])
+        )
+
+    canonical_hook.__name__ = getattr(hook, "__name__", None) or "canonical_bucket_hook"
+    canonical_hook.__qualname__ = describe(hook)
+    canonical_hook.__doc__ = f"{describe(hook)} on canonical bucket views (kwplug)."
+    return canonical_hook
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.numel() == b.numel()
+        and a.is_contiguous()
+        and b.is_contiguous()
+    )
