@@ -36,12 +36,28 @@ def test_records_follow_the_rows() -> None:
         hooks.builtin_comm_hooks()["power_sgd"].check({"rank": 1})
 
 
-def test_plain_and_fp16_hooks_are_torch_s_and_bf16_delegates_under_another_name() -> None:
-    assert hooks.mean_allreduce_hook is default_hooks.allreduce_hook
-    assert hooks.fp16_compress_allreduce_hook is default_hooks.fp16_compress_hook
+@pytest.mark.parametrize(
+    ("ours", "torch_name"),
+    [
+        (hooks.mean_allreduce_hook, "allreduce_hook"),
+        (hooks.fp16_compress_allreduce_hook, "fp16_compress_hook"),
+        (hooks.bf16_compress_allreduce_hook, "bf16_compress_hook"),
+    ],
+)
+def test_all_reduce_hooks_delegate_to_torch_under_kwplug_names(
+    ours: Any, torch_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[Any, Any]] = []
+
+    def fake(state: Any, bucket: Any) -> str:
+        calls.append((state, bucket))
+        return "torch's future"
+
+    monkeypatch.setattr(default_hooks, torch_name, fake)
+    assert ours("group", "bucket") == "torch's future"
+    assert calls == [("group", "bucket")]
     # DDP refuses these names without CUDA+NCCL (its check reads __name__).
-    refused = {"bf16_compress_hook", "bf16_compress_wrapper_hook"}
-    assert hooks.bf16_compress_allreduce_hook.__name__ not in refused
+    assert ours.__name__ not in {"bf16_compress_hook", "bf16_compress_wrapper_hook"}
 
 
 def test_internal_modules_are_private_and_small() -> None:

@@ -1,8 +1,8 @@
 """Plain and low-precision all-reduce hooks, and the ``comm_wrapper`` compression wrappers.
 
-The plain and float16 hooks are torch's own
-(``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``). The bfloat16 hook delegates to
-torch's ``bf16_compress_hook`` under another name: ``DistributedDataParallel`` refuses a hook
+The three hooks run torch's own (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``)
+under kwplug's names, which DDP logs; for bfloat16 the name matters more:
+``DistributedDataParallel`` refuses a hook
 *named* ``bf16_compress_hook`` or ``bf16_compress_wrapper_hook`` unless CUDA with NCCL >= 2.10
 (or XPU with XCCL) is present, although gloo all-reduces ``torch.bfloat16`` tensors fine. The
 wrappers are kwplug's: they return the bucket's own full-precision buffer (torch's return the
@@ -18,17 +18,49 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from kwplug.comm_hooks import HookFn
 from kwplug.plugins.ddp_comm_hooks._common import GradBucket, describe, future_tensor
 
-#: Average the bucket over the group with one asynchronous all-reduce: what DDP does without
-#: a hook. torch's ``default_hooks.allreduce_hook``; kwplug uses it as the inner hook when
-#: ``comm_wrapper`` is set but ``comm_hook`` is ``"no"``. State: the process group (``None`` =
-#: the default group).
-mean_allreduce_hook = default_hooks.allreduce_hook
+# The hooks below delegate to torch's under kwplug's own names: DDP logs a hook's
+# __qualname__ (``_get_ddp_logging_data()["comm_hook"]``), and for bf16 refuses torch's name.
 
-#: Average the bucket with an all-reduce in ``torch.float16`` (half the traffic of float32):
-#: torch's ``default_hooks.fp16_compress_hook``, which casts the buffer to float16, divides
-#: by the world size, all-reduces and copies the result back into the buffer in its own
-#: dtype. State: the process group (``None`` = the default group).
-fp16_compress_allreduce_hook = default_hooks.fp16_compress_hook
+
+def mean_allreduce_hook(
+    process_group: dist.ProcessGroup | None, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the gradient bucket over the group with one asynchronous all-reduce.
+
+    Runs torch's ``default_hooks.allreduce_hook``: what DDP does without a hook. kwplug uses it
+    as the inner hook when ``comm_wrapper`` is set but ``comm_hook`` is ``"no"``.
+
+    Args:
+        process_group: ``torch.distributed.ProcessGroup`` to reduce over; ``None`` = the
+            default (world) group.
+        bucket: the ``torch.distributed.GradBucket`` DDP hands to the hook.
+
+    Returns:
+        A future of the bucket buffer, divided by the world size and summed in place.
+    """
+    # torch annotates ProcessGroup but treats None as the default group, as DDP passes it.
+    return default_hooks.allreduce_hook(process_group, bucket)  # type: ignore[arg-type]
+
+
+def fp16_compress_allreduce_hook(
+    process_group: dist.ProcessGroup | None, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket with an all-reduce in ``torch.float16`` (half the traffic of fp32).
+
+    Runs torch's ``default_hooks.fp16_compress_hook``: the bucket buffer is cast to float16,
+    divided by the world size, all-reduced asynchronously, and the result is copied back into
+    the buffer in its own dtype. Works with every backend that all-reduces float16 (gloo,
+    nccl).
+
+    Args:
+        process_group: ``torch.distributed.ProcessGroup`` or ``None`` (default group); the
+            hook's state, so ``DistributedDataParallelKwargs.comm_state_option`` must be empty.
+        bucket: the ``torch.distributed.GradBucket`` DDP hands to the hook.
+
+    Returns:
+        A future of the averaged bucket buffer (original dtype, float16 precision).
+    """
+    return default_hooks.fp16_compress_hook(process_group, bucket)  # type: ignore[arg-type]
 
 
 def bf16_compress_allreduce_hook(
@@ -48,7 +80,6 @@ def bf16_compress_allreduce_hook(
     Returns:
         A future of the averaged bucket buffer (original dtype, bfloat16 precision).
     """
-    # torch annotates ProcessGroup but treats None as the default group, as DDP passes it.
     return default_hooks.bf16_compress_hook(process_group, bucket)  # type: ignore[arg-type]
 
 
