@@ -4,6 +4,7 @@ imports of the built-in plugins."""
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from typing import Any
@@ -72,19 +73,30 @@ def test_internal_modules_are_private_and_small() -> None:
         assert len(Path(module.__file__).read_text().splitlines()) <= 400, info.name
 
 
-def _lazy_imports(module: str) -> set[str]:
-    code = f"import sys, {module}; print(' '.join(sorted(sys.modules)))"
+def _lazy_imports(code: str, **env: str) -> set[str]:
+    code += "; import sys; print(' '.join(sorted(sys.modules)))"
     out = subprocess.run(
-        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
     ).stdout
     return {name for name in out.split() if name.startswith("kwplug.plugins.")}
 
 
 def test_loading_one_builtin_does_not_import_the_others() -> None:
-    loaded = _lazy_imports("kwplug.plugins.autocast")
+    loaded = _lazy_imports("import kwplug.plugins.autocast")
     assert "kwplug.plugins.autocast" in loaded
     assert not {"kwplug.plugins.ddp_comm_hooks", "kwplug.plugins.profile"} & loaded, loaded
     assert not {"kwplug.plugins.ddp", "kwplug.plugins.grad_scaler"} & loaded, loaded
+
+
+def test_a_blocked_builtin_is_never_imported() -> None:
+    code = "import kwplug; kwplug.Accelerator(cpu=True)"
+    loaded = _lazy_imports(code, KWPLUG_BLOCK_PLUGINS="profile")
+    assert "kwplug.plugins.autocast" in loaded
+    assert "kwplug.plugins.profile" not in loaded, loaded
 
 
 def test_plugins_package_reexports_lazily() -> None:
