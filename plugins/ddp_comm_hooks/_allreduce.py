@@ -70,15 +70,9 @@ def bf16_compress_allreduce_hook(
 
     Runs torch's ``default_hooks.bf16_compress_hook`` (float32's range, 8 bits of mantissa)
     under a name ``DistributedDataParallel`` does not refuse, so that it works on any backend
-    that all-reduces bfloat16, including gloo on CPU.
-
-    Args:
-        process_group: ``torch.distributed.ProcessGroup`` or ``None`` (default group); the
-            hook's state, so ``DistributedDataParallelKwargs.comm_state_option`` must be empty.
-        bucket: the ``torch.distributed.GradBucket`` DDP hands to the hook.
-
-    Returns:
-        A future of the averaged bucket buffer (original dtype, bfloat16 precision).
+    that all-reduces bfloat16, including gloo on CPU. Arguments as for
+    :func:`fp16_compress_allreduce_hook`; the future holds the averaged bucket buffer in its
+    original dtype, at bfloat16 precision.
     """
     return default_hooks.bf16_compress_hook(process_group, bucket)  # type: ignore[arg-type]
 
