@@ -9,7 +9,7 @@ import pytest
 
 import kwplug
 from kwplug.cli import plugin_rows
-from kwplug.loading import PluginLoadError, PluginLoadWarning
+from kwplug.errors import PluginLoadError, PluginLoadWarning
 from kwplug.testing import PluginSandbox
 
 

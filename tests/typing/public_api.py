@@ -21,10 +21,10 @@ from kwplug import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    Answer,
     ProfileKwargs,
     hookimpl,
 )
-from kwplug.dispatch import Answer
 from kwplug.hookspecs import AutocastFactory
 
 
