@@ -98,7 +98,7 @@ def spec(policy: str, *, pure: bool = False) -> Callable[[_F], _F]:
 
     def mark(function: _F) -> _F:
         info = HookInfo(function.__name__, policy, pure)
-        setattr(function, _INFO, info)  # noqa: B010 - read back by hook_infos()
+        setattr(function, _INFO, info)
         marked: _F = hookspec(firstresult=info.firstresult)(function)
         return marked
 

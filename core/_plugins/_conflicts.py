@@ -3,10 +3,11 @@
 Each hook spec declares how several plugins' answers combine (``HOOK_POLICY`` in
 :mod:`kwplug.hookspecs`, derived from the specs). For the one-answer hooks (``autocast``,
 ``wrap_model``, ``make_scaler``, ``init_process_group``, ``make_profiler``) the first
-non-``None`` answer wins, so when two third-party plugins, both registered by default, implement one of them for the
-same device, which one acts would depend on the order of their distribution names. kwplug
-refuses to guess: the :class:`~kwplug.Accelerator` raises :class:`~kwplug.errors.PluginConflictError` naming
-both plugins, with distribution and version, and how to choose.
+non-``None`` answer wins, so when two third-party plugins, both registered by default,
+implement one of them for the same device, which one acts would depend on the order of their
+distribution names. kwplug refuses to guess: the :class:`~kwplug.Accelerator` raises
+:class:`~kwplug.errors.PluginConflictError` naming both plugins, with distribution and version,
+and how to choose.
 
 A plugin says which devices it answers for with a ``device_types`` attribute (a class
 variable of a handler, or a module-level name of a module plugin): a collection of

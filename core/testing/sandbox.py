@@ -165,7 +165,9 @@ class PluginSandbox:
         sys.path.insert(0, str(root))
         self._roots.append(str(root))
         for record in self.records(refresh=True):
-            if record.name == name and control_name(record.distribution) == control_name(distribution):
+            if record.name == name and control_name(record.distribution) == control_name(
+                distribution
+            ):
                 return record
         raise AssertionError(f"entry point {name!r} of {distribution!r} was not discovered")
 

@@ -14,6 +14,7 @@ import torch
 import kwplug
 from kwplug import (
     Accelerator,
+    Answer,
     AutocastKwargs,
     CommHook,
     DDPCommunicationHookType,
@@ -21,7 +22,6 @@ from kwplug import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
-    Answer,
     ProfileKwargs,
     hookimpl,
 )
