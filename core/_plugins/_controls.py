@@ -86,8 +86,13 @@ class LoadControls:
 
     def status(self, name: str, distribution: str, builtin: bool) -> str | None:
         """``"blocked"``, ``"disabled"``, or ``None`` when the plugin is to be loaded."""
-        if not self.block and (builtin or (not self.builtins_only and self.allow is None)):
-            return None  # no control applies: skip normalising names
+        if not self.block:  # decided without normalising names (packaging is not imported)
+            if builtin:
+                return None
+            if self.builtins_only:
+                return "disabled"
+            if self.allow is None:
+                return None
         names = plugin_names(name, distribution)
         if names & self.block:
             return "blocked"
