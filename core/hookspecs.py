@@ -37,9 +37,9 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 AutocastFactory = Callable[[], AbstractContextManager[Any]]
 
-#: How the answers of several plugins to one hook combine (see
-#: :mod:`kwplug._plugins._conflicts`). ``ONE_ANSWER``: the first non-``None`` answer wins, and two
-#: third-party defaults claiming the hook for the same device are an error. ``ADDITIVE``: every
+#: How the answers of several plugins to one hook combine (checked when an ``Accelerator`` is
+#: built). ``ONE_ANSWER``: the first non-``None`` answer wins, and two third-party defaults
+#: claiming the hook for the same device are an error. ``ADDITIVE``: every
 #: answer is merged; a name given twice is an error naming both sources. ``PER_PLUGIN``: each
 #: plugin's answer is kept apart, under the plugin's registered name. ``EVERY``: every plugin is
 #: called, and raising rejects.

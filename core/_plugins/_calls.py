@@ -88,13 +88,17 @@ def record(
 ) -> Recording:
     """Recording copies of ``impls`` (pluggy's storage order: the last is called first).
 
-    Each copy passes pluggy the same ``argnames`` and plugin, but its function appends
-    ``(registered name, answer)`` to the returned :class:`Recording` and, when it raises,
-    wraps a third-party plugin's exception in :class:`~kwplug.errors.PluginHookError` naming
-    it, or adds a note naming the plugin (Python >= 3.11) to a built-in's or user handler's.
+    Each copy of a plain implementation (hook wrappers are passed as they are) has the same
+    ``argnames`` and plugin, but its function appends ``(registered name, answer)`` to the
+    returned :class:`Recording` and, when it raises, wraps a third-party plugin's exception in
+    :class:`~kwplug.errors.PluginHookError` naming it, or adds a note naming the plugin
+    (Python >= 3.11) to a built-in's or user handler's.
     """
     recording = Recording(hook_name)
     for impl in impls:
+        if impl.wrapper or impl.hookwrapper:  # wraps the others' answers: not an answer itself
+            recording.impls.append(impl)
+            continue
         twin = copy.copy(impl)
         # HookImpl.function is Final for type checkers; this copy is ours to change.
         setattr(twin, "function", _recorder(recording, impl, describe, third_party))  # noqa: B010
