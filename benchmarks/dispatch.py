@@ -40,9 +40,10 @@ class HookCallCounter:
     """Counts every way a hook of one kwplug Accelerator can run, while active.
 
     - ``pluggy``: calls through pluggy's ``HookCaller`` (``add_hookcall_monitoring``);
-    - ``kwplug``: calls through kwplug's own provenance-tracking dispatcher
-      (``kwplug.accelerator.call_first``, which walks the implementations itself, out of
-      pluggy's monitoring's sight), when the core has one;
+    - ``kwplug``: calls through a provenance-tracking dispatcher of the core that walks the
+      implementations itself, out of pluggy's monitoring's sight (``call_first`` in
+      ``kwplug.accelerator``), when the core has one (today's goes through pluggy: counted
+      as ``pluggy``);
     - ``impl``: invocations of any registered hook implementation function, however reached.
     """
 
@@ -211,19 +212,17 @@ def hook_call_blocks(hook_name: str, n: int) -> tuple[dict[str, Callable[[], flo
         for _ in range(k):
             direct(**direct_kwargs)
 
-    # What the Accelerator itself calls at setup: kwplug's provenance-tracking dispatcher
-    # when the core has one, else pluggy's HookCaller.
-    import kwplug.accelerator as core
-
-    dispatcher = getattr(core, "call_first", None)
+    # What the Accelerator itself calls at setup: kwplug's provenance-tracking manager call
+    # when the core has one (it runs through pluggy's _hookexec), else pluggy's HookCaller.
     pm = accelerator.plugin_manager
+    dispatcher = getattr(pm, "call_first", None)
     if dispatcher is not None:
 
         def via_kwplug(k: int) -> None:
             for _ in range(k):
-                dispatcher(pm, hook_name, kwargs)
+                dispatcher(hook_name, **kwargs)
 
-        how = "kwplug.dispatch.call_first"
+        how = "KwplugPluginManager.call_first"
     else:
         via_kwplug = via_pluggy
         how = "pluggy HookCaller"

@@ -1,21 +1,21 @@
 """kwplug: pluggable kwargs handlers for PyTorch training.
 
 The core defines the hook contract (:mod:`kwplug.hookspecs`), the :class:`KwargsHandler` base,
-entry-point discovery (:mod:`kwplug.discovery`) and a minimal :class:`Accelerator`. The built-in
-handlers live in :mod:`kwplug.plugins` and are re-exported here lazily, so ``import kwplug``
-stays cheap.
+entry-point discovery (:func:`discover`), the exceptions (:mod:`kwplug.errors`) and a minimal
+:class:`Accelerator`. The built-in handlers live in :mod:`kwplug.plugins` and are re-exported
+here lazily, so ``import kwplug`` stays cheap.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kwplug._plugins import Answer, discover
 from kwplug.accelerator import Accelerator
 from kwplug.comm_hooks import CommHook, register_comm_hook, unregister_comm_hook
-from kwplug.discovery import discover
+from kwplug.errors import PluginLoadError, PluginLoadWarning
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import hookimpl, hookspec
-from kwplug.loading import PluginLoadError, PluginLoadWarning
 
 if TYPE_CHECKING:
     from kwplug.plugins import (
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Accelerator",
+    "Answer",
     "AutocastKwargs",
     "CommHook",
     "DDPCommunicationHookType",

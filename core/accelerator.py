@@ -15,17 +15,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from kwplug import checkpoint, discovery, sharded
+from kwplug import checkpoint, sharded
+from kwplug._plugins import Answer, KwplugPluginManager, discover, require_handler_list
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
-from kwplug.conflicts import check_conflicts
 from kwplug.data import PreparedDataLoader, prepare_dataloader
-from kwplug.dispatch import Answer, call_each, call_first
 from kwplug.environment import ProcessInfo, end_process_group, select_device
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import AutocastFactory
 from kwplug.optimizer import ScaledOptimizer
 from kwplug.params import ParameterRemap
-from kwplug.registry import build_plugin_manager, check_handler, check_handlers, extra_impls
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +53,8 @@ class Accelerator:
             handlers share a class; a torchrun variable is malformed.
         TypeError: ``kwargs_handlers`` holds something that is not a handler instance.
         RuntimeError: ``WORLD_SIZE > 1`` but no plugin initialised the process group.
-        kwplug.conflicts.PluginConflictError: two third-party plugins registered by default
-            both claim a one-answer hook for this device (see :mod:`kwplug.conflicts`).
+        kwplug.errors.PluginConflictError: two third-party plugins registered by default
+            both claim a one-answer hook for this device (see :mod:`kwplug.hookspecs`).
     """
 
     def __init__(
@@ -73,19 +71,15 @@ class Accelerator:
         if not isinstance(cpu, bool):
             raise TypeError(f"cpu must be a bool, got {type(cpu).__name__}")
         self.mixed_precision: str = mixed_precision
-        self.handlers = check_handlers(kwargs_handlers)
-        self.plugin_manager, self._plugin_descriptions, self._third_party = build_plugin_manager(
-            self.handlers, discovery.discover()
-        )
+        self.handlers = require_handler_list(kwargs_handlers)
+        self.plugin_manager = KwplugPluginManager.for_handlers(self.handlers, discover())
         #: Which plugin answered each setup hook (``Answer`` records), for debugging.
-        self.plan: dict[str, Answer] = {}
+        self.plan: dict[str, Answer] = self.plugin_manager.plan
 
         info = ProcessInfo.current()
         self.device = select_device(cpu, info.local_rank)
         self.device_type: str = self.device.type
-        check_conflicts(
-            self.plugin_manager, self._third_party.__contains__, self.device_type, self._describe
-        )
+        self.plugin_manager.check_conflicts(self.device_type)
         self.comm_hooks: dict[str, CommHook] = self._collect_comm_hooks()
         self._call_each(
             "validate_setup",
@@ -136,7 +130,7 @@ class Accelerator:
             self.process_index,
             self.num_processes,
             mixed_precision,
-            list(self._plugin_descriptions.values()),
+            self.plugin_manager.descriptions(),
         )
 
     @classmethod
@@ -576,45 +570,18 @@ class Accelerator:
 
     # -- internals ---------------------------------------------------------------------------
 
+    # Thin delegations to the plugin manager (kept for the call sites above).
     def _describe(self, name: str) -> str:
-        return self._plugin_descriptions.get(name, name)
+        return self.plugin_manager.describe(name)
 
-    def _call_first(
-        self, hook_name: str, *, extra: Sequence[Any] = (), record: bool = True, **kwargs: Any
-    ) -> Any:
-        answer = call_first(
-            self.plugin_manager,
-            hook_name,
-            kwargs,
-            extra=extra,
-            describe=self._describe,
-            third_party=self._third_party.__contains__,
-        )
-        if record:  # per-call handlers do not replace the set-up answers
-            self.plan[hook_name] = answer
-        logger.debug(
-            "hook %s answered by %s", hook_name, self._describe(answer.plugin or "no plugin")
-        )
-        return answer.result
+    def _call_first(self, hook_name: str, **kwargs: Any) -> Any:
+        return self.plugin_manager.call_first(hook_name, **kwargs).result
 
-    def _call_each(
-        self, hook_name: str, *, only: Any = lambda name: True, **kwargs: Any
-    ) -> list[tuple[str, Any]]:
-        return call_each(
-            self.plugin_manager,
-            hook_name,
-            kwargs,
-            describe=self._describe,
-            third_party=self._third_party.__contains__,
-            only=only,
-        )
+    def _call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        return self.plugin_manager.call_each(hook_name, **kwargs)
 
     def _call_with(self, hook_name: str, handler: KwargsHandler | None, **kwargs: Any) -> Any:
-        if handler is None:
-            return self._call_first(hook_name, **kwargs)
-        check_handler(handler, f"the {hook_name} handler")
-        extra = extra_impls(self.plugin_manager, handler, hook_name)
-        return self._call_first(hook_name, extra=extra, record=False, **kwargs)
+        return self.plugin_manager.call_with(handler, hook_name, **kwargs).result
 
     def __repr__(self) -> str:
         return (

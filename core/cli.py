@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kwplug.discovery import PluginRecord, discover
+from kwplug._plugins import PluginRecord, discover
 
 COLUMNS = ("name", "class", "distribution", "version", "hooks", "status", "source")
 
@@ -126,40 +126,31 @@ def _describe_answer(result: Any) -> Any:
 
 
 def explain(device_type: str, mixed_precision: str) -> dict[str, Any]:
-    """For each hook: the plugins implementing it in call order, and for the side-effect-free
-    hooks (``autocast``, ``make_scaler``) who answers and what would reach torch. The hooks
-    that act (``init_process_group``, ``wrap_model``, ``make_profiler``) are not called; the
-    answering handler's resolved fields are shown instead. A hook that two third-party
-    defaults claim for ``device_type`` (an Accelerator would raise
-    :class:`~kwplug.conflicts.PluginConflictError`) has a ``conflict`` entry naming them."""
-    from kwplug.conflicts import find_conflicts
-    from kwplug.dispatch import call_first
-    from kwplug.registry import build_plugin_manager
+    """For each setup hook (:attr:`kwplug.hookspecs.HookInfo.setup`): the plugins implementing
+    it in call order, and for the side-effect-free hooks (:attr:`~kwplug.hookspecs.HookInfo.pure`:
+    ``autocast``, ``make_scaler``) who answers and what would reach torch. The hooks that act
+    (``init_process_group``, ``wrap_model``, ``make_profiler``) are not called; the answering
+    handler's resolved fields are shown instead. A hook that two third-party defaults claim for
+    ``device_type`` (an Accelerator would raise :class:`~kwplug.errors.PluginConflictError`)
+    has a ``conflict`` entry naming them."""
+    from kwplug._plugins import KwplugPluginManager
+    from kwplug.hookspecs import HOOKS
 
-    pm, descriptions, third_party = build_plugin_manager([], discover())
-    conflicts = find_conflicts(
-        pm, third_party.__contains__, device_type, lambda n: descriptions.get(n, n)
-    )
+    pm = KwplugPluginManager.for_handlers([], discover())
+    conflicts = pm.conflicts(device_type)
     report: dict[str, Any] = {}
-    for hook_name in (
-        "init_process_group",
-        "autocast",
-        "make_scaler",
-        "wrap_model",
-        "make_profiler",
-        "comm_hooks",
-    ):
-        impls = list(reversed(getattr(pm.hook, hook_name).get_hookimpls()))
-        entry: dict[str, Any] = {
-            "order": [descriptions.get(i.plugin_name, i.plugin_name) for i in impls]
-        }
+    for hook_name, info in HOOKS.items():
+        if not info.setup:
+            continue
+        impls = list(reversed(pm.hook_impls(hook_name)))
+        entry: dict[str, Any] = {"order": [pm.describe(i.plugin_name) for i in impls]}
         if hook_name in conflicts:
             entry["conflict"] = conflicts[hook_name]
-        elif hook_name in ("autocast", "make_scaler"):
-            answer = call_first(
-                pm, hook_name, {"device_type": device_type, "mixed_precision": mixed_precision}
+        elif info.pure:
+            answer = pm.call_first(
+                hook_name, device_type=device_type, mixed_precision=mixed_precision
             )
-            entry["answered_by"] = descriptions.get(answer.plugin or "", answer.plugin)
+            entry["answered_by"] = pm.describe(answer.plugin) if answer.plugin else None
             entry["reaches_torch"] = _describe_answer(answer.result)
         elif impls:
             plugin = impls[0].plugin

@@ -31,7 +31,8 @@ class KwargsHandler:
         device_types: class variable; the ``torch.device(...).type`` strings this handler
             answers hooks for (e.g. ``frozenset({"xpu"})``), or ``None`` (default) for every
             device. Two third-party handlers registered by default that claim the same
-            one-answer hook for the same device are a conflict (:mod:`kwplug.conflicts`).
+            one-answer hook for the same device are a conflict
+            (:class:`kwplug.errors.PluginConflictError`).
     """
 
     register_default: ClassVar[bool] = True

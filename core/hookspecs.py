@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import attrs
 import pluggy
 
 if TYPE_CHECKING:
@@ -36,38 +37,90 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 AutocastFactory = Callable[[], AbstractContextManager[Any]]
 
-#: How the answers of several plugins to one hook combine (see :mod:`kwplug.conflicts`).
-#: ``ONE_ANSWER``: the first non-``None`` answer wins, and two third-party defaults claiming
-#: the hook for the same device are an error. ``ADDITIVE``: every answer is merged; a name
-#: given twice is an error naming both sources. ``PER_PLUGIN``: each plugin's answer is kept
-#: apart, under the plugin's registered name.
+#: How the answers of several plugins to one hook combine (checked when an ``Accelerator`` is
+#: built). ``ONE_ANSWER``: the first non-``None`` answer wins, and two third-party defaults
+#: claiming the hook for the same device are an error. ``ADDITIVE``: every
+#: answer is merged; a name given twice is an error naming both sources. ``PER_PLUGIN``: each
+#: plugin's answer is kept apart, under the plugin's registered name. ``EVERY``: every plugin is
+#: called, and raising rejects.
 ONE_ANSWER = "one answer per device"
 ADDITIVE = "additive, unique names"
 PER_PLUGIN = "per plugin"
 EVERY = "every plugin (raising rejects)"
-HOOK_POLICY: dict[str, str] = {
-    "autocast": ONE_ANSWER,
-    "wrap_model": ONE_ANSWER,
-    "make_scaler": ONE_ANSWER,
-    "init_process_group": ONE_ANSWER,
-    "make_profiler": ONE_ANSWER,
-    "comm_hooks": ADDITIVE,
-    "handler_state": PER_PLUGIN,
-    "load_handler_state": PER_PLUGIN,
-    "validate_setup": EVERY,
-}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+@attrs.frozen
+class HookInfo:
+    """What kwplug knows about one hook spec, declared once by :func:`spec`.
+
+    Attributes:
+        name: the hook name, e.g. ``"autocast"``.
+        policy: how several plugins' answers combine: :data:`ONE_ANSWER`, :data:`ADDITIVE`,
+            :data:`PER_PLUGIN` or :data:`EVERY`.
+        pure: calling the hook has no side effect, so ``kwplug plugins --explain`` calls it to
+            show what would reach torch.
+    """
+
+    name: str
+    policy: str
+    pure: bool = False
+
+    @property
+    def firstresult(self) -> bool:
+        """Whether pluggy stops at the first non-``None`` answer (one-answer hooks)."""
+        return self.policy == ONE_ANSWER
+
+    @property
+    def setup(self) -> bool:
+        """Whether the hook builds something an Accelerator uses (one answer, or additive),
+        as opposed to validating or checkpointing; ``kwplug plugins --explain`` lists these."""
+        return self.policy in (ONE_ANSWER, ADDITIVE)
+
+
+def spec(policy: str, *, pure: bool = False) -> Callable[[_F], _F]:
+    """Declare a method of :class:`HandlerSpec` a hook spec, with its combination policy.
+
+    The one place a hook's metadata is written: pluggy's ``firstresult`` follows from
+    ``policy`` (true for :data:`ONE_ANSWER`), and :data:`HOOKS`, :data:`HOOK_POLICY`, the
+    conflict check and ``kwplug plugins --explain`` read it back.
+
+    Args:
+        policy: :data:`ONE_ANSWER`, :data:`ADDITIVE`, :data:`PER_PLUGIN` or :data:`EVERY`.
+        pure: calling the hook has no side effect (see :attr:`HookInfo.pure`); default false.
+
+    Raises:
+        ValueError: ``policy`` is not one of the four.
+    """
+    if policy not in (ONE_ANSWER, ADDITIVE, PER_PLUGIN, EVERY):
+        raise ValueError(f"unknown hook policy {policy!r}")
+
+    def mark(function: _F) -> _F:
+        info = HookInfo(function.__name__, policy, pure)
+        setattr(function, _INFO, info)
+        marked: _F = hookspec(firstresult=info.firstresult)(function)
+        return marked
+
+    return mark
+
+
+_INFO = f"{PROJECT_NAME}_hook_info"
 
 
 class HandlerSpec:
     """Hook specifications of the ``kwplug`` project (registered with ``add_hookspecs``)."""
 
-    @hookspec(firstresult=True)
+    @spec(ONE_ANSWER, pure=True)
     def autocast(self, device_type: str, mixed_precision: str) -> AutocastFactory | None:
         """Return a zero-argument factory of the autocast context manager, or ``None``.
 
-        :param device_type: ``torch.device(...).type`` of the Accelerator's device, e.g. ``"cpu"``.
-        :param mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"`` as given to the Accelerator.
-        :returns: a callable that, called with no arguments, returns a fresh context manager
+        Args:
+            device_type: ``torch.device(...).type`` of the Accelerator's device, e.g. ``"cpu"``.
+            mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"`` as given to the Accelerator.
+
+        Returns:
+            A callable that, called with no arguments, returns a fresh context manager
             (typically ``functools.partial(torch.autocast, ...)``) -- or ``None`` for "not mine".
             If no plugin answers, ``Accelerator.autocast()`` yields ``contextlib.nullcontext()``.
 
@@ -76,7 +129,7 @@ class HandlerSpec:
         handler answering first. ``firstresult``: yes.
         """
 
-    @hookspec(firstresult=True)
+    @spec(ONE_ANSWER)
     def wrap_model(
         self,
         model: torch.nn.Module,
@@ -88,45 +141,54 @@ class HandlerSpec:
     ) -> torch.nn.Module | None:
         """Wrap a model for distributed training, or return ``None``.
 
-        :param model: the user's module, already moved to ``device``.
-        :param device: the Accelerator's device (``torch.device``).
-        :param device_type: ``device.type``.
-        :param world_size: number of processes (``torch.distributed`` world size; 1 when not
-            distributed).
-        :param mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
-        :param comm_hooks: every named DDP communication hook known to this Accelerator
-            (built-in, registered with :func:`kwplug.register_comm_hook`, and contributed by
-            plugins' :meth:`comm_hooks`), by name.
-        :returns: the wrapped module (e.g. ``torch.nn.parallel.DistributedDataParallel``), or
+        Args:
+            model: the user's module, already moved to ``device``.
+            device: the Accelerator's device (``torch.device``).
+            device_type: ``device.type``.
+            world_size: number of processes (``torch.distributed`` world size; 1 when not
+                distributed).
+            mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+            comm_hooks: every named DDP communication hook known to this Accelerator
+                (built-in, registered with :func:`kwplug.register_comm_hook`, and contributed by
+                plugins' :meth:`comm_hooks`), by name.
+
+        Returns:
+            The wrapped module (e.g. ``torch.nn.parallel.DistributedDataParallel``), or
             ``None`` for "not mine". If no plugin answers, the model is used unwrapped.
 
         Called by: ``Accelerator.prepare()``, once per model. ``firstresult``: yes.
         """
 
-    @hookspec(firstresult=True)
+    @spec(ONE_ANSWER, pure=True)
     def make_scaler(self, device_type: str, mixed_precision: str) -> torch.amp.GradScaler | None:
         """Return the gradient scaler for this setting, or ``None``.
 
-        :param device_type: device type the scaler works on (``torch.amp.GradScaler(device)``).
-        :param mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
-        :returns: a ``torch.amp.GradScaler`` (or an object with the same ``scale``/``step``/
+        Args:
+            device_type: device type the scaler works on (``torch.amp.GradScaler(device)``).
+            mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+
+        Returns:
+            A ``torch.amp.GradScaler`` (or an object with the same ``scale``/``step``/
             ``update``/``unscale_`` interface), or ``None`` for "not mine". If no plugin answers,
             training runs without a scaler.
 
         Called by: ``Accelerator.__init__`` once. ``firstresult``: yes.
         """
 
-    @hookspec(firstresult=True)
+    @spec(ONE_ANSWER)
     def init_process_group(
         self, device_type: str, world_size: int, rank: int, local_rank: int
     ) -> bool | None:
         """Initialise the default ``torch.distributed`` process group, or return ``None``.
 
-        :param device_type: device type the processes train on; selects the backend.
-        :param world_size: ``WORLD_SIZE`` set by ``torchrun`` (>= 1).
-        :param rank: global rank ``RANK`` of this process, ``0 <= rank < world_size``.
-        :param local_rank: ``LOCAL_RANK`` of this process on its node.
-        :returns: ``True`` once the process group is initialised (via
+        Args:
+            device_type: device type the processes train on; selects the backend.
+            world_size: ``WORLD_SIZE`` set by ``torchrun`` (>= 1).
+            rank: global rank ``RANK`` of this process, ``0 <= rank < world_size``.
+            local_rank: ``LOCAL_RANK`` of this process on its node.
+
+        Returns:
+            ``True`` once the process group is initialised (via
             ``torch.distributed.init_process_group``), or ``None`` for "not mine".
 
         Called by: ``Accelerator.__init__`` once, only when ``world_size > 1`` and no default
@@ -134,32 +196,36 @@ class HandlerSpec:
         ``RuntimeError``. ``firstresult``: yes.
         """
 
-    @hookspec(firstresult=True)
+    @spec(ONE_ANSWER)
     def make_profiler(self, device_type: str, rank: int) -> torch.profiler.profile | None:
         """Return a ``torch.profiler.profile`` (not started), or ``None``.
 
-        :param device_type: the Accelerator's device type; selects default profiler activities.
-        :param rank: global rank of this process (0 when not distributed), e.g. for per-rank
-            trace file names.
-        :returns: a profiler context manager, or ``None`` for "not mine". If no plugin answers,
+        Args:
+            device_type: the Accelerator's device type; selects default profiler activities.
+            rank: global rank of this process (0 when not distributed), e.g. for per-rank
+                trace file names.
+
+        Returns:
+            A profiler context manager, or ``None`` for "not mine". If no plugin answers,
             ``accelerator.profile()`` raises ``RuntimeError``.
 
         Called by: ``accelerator.profile(handler=None)`` each time it is entered (profiling is
         not a per-step path). ``firstresult``: yes.
         """
 
-    @hookspec
+    @spec(ADDITIVE)
     def comm_hooks(self) -> Mapping[str, CommHook] | None:
         """Contribute named DDP communication hooks.
 
-        :returns: a mapping of hook name to :class:`kwplug.CommHook`, or ``None``. Names are
+        Returns:
+            A mapping of hook name to :class:`kwplug.CommHook`, or ``None``. Names are
             additive across plugins; a name given twice is an error naming both sources.
 
         Called by: ``Accelerator.__init__`` once; the merged mapping is passed to
         :meth:`wrap_model`. ``firstresult``: no (every plugin's answer is collected).
         """
 
-    @hookspec
+    @spec(EVERY)
     def validate_setup(
         self,
         device_type: str,
@@ -169,11 +235,14 @@ class HandlerSpec:
     ) -> None:
         """Reject a configuration early, before any process group or torch object exists.
 
-        :param device_type: the Accelerator's device type, e.g. ``"cpu"``.
-        :param world_size: number of processes (``WORLD_SIZE``; 1 when not distributed).
-        :param mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
-        :param comm_hooks: every named DDP communication hook known to this Accelerator.
-        :returns: ``None``. Raise ``TypeError``/``ValueError`` naming the field and what it
+        Args:
+            device_type: the Accelerator's device type, e.g. ``"cpu"``.
+            world_size: number of processes (``WORLD_SIZE``; 1 when not distributed).
+            mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+            comm_hooks: every named DDP communication hook known to this Accelerator.
+
+        Returns:
+            ``None``. Raise ``TypeError``/``ValueError`` naming the field and what it
             accepts to reject the setting (e.g. an unknown ``comm_hook`` name, or options the
             named hook refuses); it propagates out of ``Accelerator()``.
 
@@ -182,11 +251,12 @@ class HandlerSpec:
         rendezvous and no data loading. ``firstresult``: no (every plugin is called).
         """
 
-    @hookspec
+    @spec(PER_PLUGIN)
     def handler_state(self) -> Mapping[str, Any] | None:
         """Contribute state to checkpoints written by ``Accelerator.save_state``.
 
-        :returns: a picklable mapping (saved with ``torch.save`` on each rank), or ``None``
+        Returns:
+            A picklable mapping (saved with ``torch.save`` on each rank), or ``None``
             when there is nothing to save.
 
         Called by: ``Accelerator.save_state`` on every rank; the answers are stored by the
@@ -194,13 +264,30 @@ class HandlerSpec:
         :meth:`load_handler_state`. ``firstresult``: no (every plugin's answer is collected).
         """
 
-    @hookspec
+    @spec(PER_PLUGIN)
     def load_handler_state(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`handler_state` saved.
 
-        :param state: the mapping this plugin returned from ``handler_state`` when the
-            checkpoint was written (plugins that saved nothing are not called).
+        Args:
+            state: the mapping this plugin returned from ``handler_state`` when the
+                checkpoint was written (plugins that saved nothing are not called).
 
         Called by: ``Accelerator.load_state`` on every rank, once per plugin with saved state,
         after the models and optimizers are restored. ``firstresult``: no.
         """
+
+
+def hook_infos() -> dict[str, HookInfo]:
+    """Every hook spec's :class:`HookInfo`, by name, in the order :class:`HandlerSpec`
+    declares them."""
+    return {
+        name: getattr(member, _INFO)
+        for name, member in vars(HandlerSpec).items()
+        if hasattr(member, _INFO)
+    }
+
+
+#: Every hook's :class:`HookInfo`, by name, in declaration order.
+HOOKS: dict[str, HookInfo] = hook_infos()
+#: Hook name -> combination policy (derived from :data:`HOOKS`).
+HOOK_POLICY: dict[str, str] = {name: info.policy for name, info in HOOKS.items()}

@@ -12,8 +12,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from kwplug._plugins import discover
 from kwplug.comm_hooks import CommHook, HookFn
-from kwplug.discovery import discover
 from kwplug.handler import TO_KWARGS, KwargsHandler
 from kwplug.hookspecs import hookimpl
 from kwplug.plugins import ddp_comm_hooks

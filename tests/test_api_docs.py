@@ -11,10 +11,10 @@ from pathlib import Path
 
 import kwplug
 import kwplug.plugins
-from kwplug.hookspecs import HandlerSpec
+from kwplug.hookspecs import HOOKS, HandlerSpec
 
 ROOT = Path(__file__).parent.parent
-SPECS = sorted(n for n in vars(HandlerSpec) if not n.startswith("_"))
+SPECS = sorted(HOOKS)  # every spec, as declared with kwplug.hookspecs.spec
 
 
 def public_modules() -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import pytest
 
 import kwplug
 from kwplug.cli import plugin_rows
-from kwplug.loading import PluginLoadError, PluginLoadWarning
+from kwplug.errors import PluginLoadError, PluginLoadWarning
 from kwplug.testing import PluginSandbox
 
 
@@ -73,3 +75,22 @@ def test_a_blocked_incompatible_plugin_is_just_blocked(
         bomb_module, name="old", distribution="kwplug-old", requires=["kwplug<0.1"]
     )
     assert record.status == "blocked"
+
+
+def test_packaging_is_imported_only_when_a_third_party_plugin_is_checked() -> None:
+    # Built-ins are never range-checked, and no loading control is set: start-up skips
+    # packaging (milliseconds per process).
+    code = (
+        "import sys, kwplug; kwplug.Accelerator(cpu=True); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'packaging'))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KWPLUG_")}
+    env["KWPLUG_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.strip() == "[]"

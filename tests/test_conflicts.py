@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kwplug import Accelerator, KwargsHandler, hookimpl
-from kwplug.conflicts import PluginConflictError
-from kwplug.hookspecs import HOOK_POLICY, ONE_ANSWER, HandlerSpec
+from kwplug.errors import PluginConflictError
+from kwplug.hookspecs import HOOK_POLICY, HOOKS, ONE_ANSWER, HandlerSpec
 from kwplug.testing import PluginSandbox, conformance_problems
 
 
@@ -56,10 +56,11 @@ class BadDeviceTypes(KwargsHandler):
 
 def test_every_hook_spec_declares_a_conflict_policy() -> None:
     specs = {name for name in dir(HandlerSpec) if not name.startswith("_")}
-    assert set(HOOK_POLICY) == specs
-    for name, policy in HOOK_POLICY.items():
+    assert set(HOOKS) == set(HOOK_POLICY) == specs
+    for name, info in HOOKS.items():
         firstresult = getattr(HandlerSpec, name).kwplug_spec["firstresult"]
-        assert (policy == ONE_ANSWER) is firstresult, name
+        assert (info.policy == ONE_ANSWER) is firstresult is info.firstresult, name
+        assert HOOK_POLICY[name] == info.policy
 
 
 def test_two_defaults_claiming_one_hook_raise_one_error_naming_both(

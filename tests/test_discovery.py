@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib_metadata
 import pytest
 
-from kwplug import discovery
+from kwplug._plugins import _discovery as discovery
 
 
 def test_builtins_are_discovered_with_their_hooks() -> None:
@@ -61,7 +61,7 @@ def test_order_does_not_depend_on_entry_point_order(monkeypatch: pytest.MonkeyPa
 
 
 def test_control_names_are_normalised_like_pip() -> None:
-    from kwplug.loading import LoadControls
+    from kwplug._plugins._controls import LoadControls
 
     controls = LoadControls.from_env({"KWPLUG_BLOCK_PLUGINS": "KWPLUG_MyBackend, Other.Dist:ep"})
     assert controls.status("anything", "kwplug-mybackend", builtin=False) == "blocked"

@@ -12,13 +12,9 @@ torchrun (gloo), and :func:`run_script` runs a script there. The fixtures need p
 
 from __future__ import annotations
 
+from kwplug.errors import DistributedRunError
 from kwplug.testing.conformance import check_handler, conformance_problems
-from kwplug.testing.distributed import (
-    DistributedRunError,
-    free_port,
-    run_distributed,
-    run_script,
-)
+from kwplug.testing.distributed import free_port, run_distributed, run_script
 from kwplug.testing.fixtures import kwplug_plugin_manager, kwplug_plugins
 from kwplug.testing.sandbox import PluginSandbox
 

@@ -11,7 +11,6 @@ empty and holds a changed field otherwise; instances compare by value and surviv
 from __future__ import annotations
 
 import copy
-import inspect
 import pickle
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -19,10 +18,14 @@ from typing import Any
 import attrs
 import pluggy
 
-from kwplug.conflicts import device_types_problem
-from kwplug.discovery import new_plugin_manager, tryfirst_problem
+from kwplug._plugins import KwplugPluginManager
+from kwplug._plugins._rules import (
+    device_types_problem,
+    spec_signatures,
+    tryfirst_problem,
+    validate_hookimpls,
+)
 from kwplug.handler import TO_KWARGS, KwargsHandler
-from kwplug.hookspecs import PROJECT_NAME, HandlerSpec
 
 
 class _Nonsense:
@@ -143,31 +146,16 @@ def _equality_problems(cls: type[KwargsHandler], default: KwargsHandler) -> list
 
 
 def _hook_problems(handler: KwargsHandler) -> list[str]:
-    pm = new_plugin_manager()
+    pm = KwplugPluginManager()
     try:
-        pm.register(handler, name="handler")
-        pm.check_pending()  # a misspelt hook name fails here instead of being ignored
+        validate_hookimpls(pm, handler, "handler")
     except pluggy.PluginValidationError as exc:
         message = " ".join(str(exc).split())  # pluggy's text spans lines
-        return [f"invalid hook implementation: {message}{_spec_arguments(handler)}"]
+        return [f"invalid hook implementation: {message}{spec_signatures(handler)}"]
     if not pm.get_hookcallers(handler):
         return ["implements no kwplug hook (mark methods with @kwplug.hookimpl)"]
     problem = tryfirst_problem(pm, handler)
     return [problem] if problem else []
-
-
-def _spec_arguments(handler: KwargsHandler) -> str:
-    # What each implemented spec accepts, so the fix is in the message.
-    specs = HandlerSpec.__dict__
-    parts = []
-    for name in dir(type(handler)):
-        function = getattr(type(handler), name, None)
-        opts = getattr(function, f"{PROJECT_NAME}_impl", None)
-        spec_name = (opts or {}).get("specname") or name
-        if opts is not None and spec_name in specs:
-            argnames = [a for a in inspect.signature(specs[spec_name]).parameters if a != "self"]
-            parts.append(f"{spec_name}({', '.join(argnames)})")
-    return f"; the specs take: {', '.join(parts)}" if parts else ""
 
 
 def _example_problems(

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kwplug.errors import DistributedRunError
 from kwplug.testing.sandbox import active_environment
 
 #: Environment variables of an enclosing torchrun job that must not leak into the child job.
@@ -34,12 +35,6 @@ _TORCHRUN_VARIABLES = (
     "MASTER_PORT",
     "TORCHELASTIC_RUN_ID",
 )
-
-
-class DistributedRunError(AssertionError):
-    """A :func:`run_distributed` job failed or timed out; the message holds each rank's error
-    and the tail of the job's output (an ``AssertionError``, so pytest reports it as a failed
-    test)."""
 
 
 def free_port() -> int:
@@ -161,7 +156,8 @@ def run_script(
     if result.returncode != 0:
         raise DistributedRunError(
             f"{' '.join(cmd)} exited with status {result.returncode}\n--- output ---\n"
-            f"{result.stdout[-8000:]}"
+            f"{result.stdout[-8000:]}",
+            returncode=result.returncode,
         )
     return result.stdout
 
@@ -256,6 +252,7 @@ def run_distributed(
             raise DistributedRunError(
                 f"{headline}\n(no result from rank(s) {missing})\n"
                 + "\n".join(errors)
-                + f"\n--- output ---\n{result.stdout[-4000:]}"
+                + f"\n--- output ---\n{result.stdout[-4000:]}",
+                returncode=result.returncode,
             )
         return [pickle.loads((folder / f"rank_{r}.pkl").read_bytes()) for r in range(nproc)]

@@ -22,11 +22,10 @@ from typing import Any
 import importlib_metadata
 import pluggy
 
-from kwplug import discovery
+from kwplug import _plugins
+from kwplug._plugins._controls import control_name
 from kwplug.accelerator import Accelerator
 from kwplug.handler import KwargsHandler
-from kwplug.loading import canonical
-from kwplug.registry import build_plugin_manager, check_handlers
 
 _CONTROL_PREFIX = "KWPLUG_"
 _ACTIVE: list[PluginSandbox] = []  # innermost last
@@ -73,8 +72,8 @@ class PluginSandbox:
         self._saved_env = {k: v for k, v in os.environ.items() if k.startswith(_CONTROL_PREFIX)}
         for name in self._saved_env:
             del os.environ[name]
-        self._outer_visible = discovery._visible  # sandboxes nest
-        discovery.set_visible(self._visible)
+        self._outer_visible = _plugins.visible()  # sandboxes nest
+        _plugins.set_visible(self._visible)
         _ACTIVE.append(self)
         if self._initial_keep:
             try:
@@ -93,7 +92,7 @@ class PluginSandbox:
         for name in [k for k in os.environ if k.startswith(_CONTROL_PREFIX)]:
             del os.environ[name]
         os.environ.update(self._saved_env)
-        discovery.set_visible(self._outer_visible)
+        _plugins.set_visible(self._outer_visible)
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -107,18 +106,18 @@ class PluginSandbox:
                 installed, or misspelt); the message lists the installed plugin distributions.
         """
         installed = {
-            canonical(ep.dist.name)
-            for ep in importlib_metadata.entry_points(group=discovery.GROUP)
+            control_name(ep.dist.name)
+            for ep in importlib_metadata.entry_points(group=_plugins.GROUP)
             if ep.dist is not None
         }
-        missing = sorted({canonical(name) for name in distributions} - installed)
+        missing = sorted({control_name(name) for name in distributions} - installed)
         if missing:
             raise ValueError(
                 f"keep_installed: no kwplug plugin distribution named {', '.join(missing)} is "
                 f"installed; installed: {', '.join(sorted(installed - {'kwplug'})) or 'none'}"
             )
-        self._keep.update(canonical(name) for name in distributions)
-        discovery.discover(refresh=True)
+        self._keep.update(control_name(name) for name in distributions)
+        _plugins.discover(refresh=True)
 
     def add(
         self,
@@ -128,7 +127,7 @@ class PluginSandbox:
         distribution: str = "kwplug-sandbox-plugin",
         version: str = "0.0.0",
         requires: Iterable[str] = (),
-    ) -> discovery.PluginRecord:
+    ) -> _plugins.PluginRecord:
         """Install ``plugin`` as the entry point ``name`` of a sandbox distribution.
 
         Args:
@@ -142,7 +141,7 @@ class PluginSandbox:
                 range it declares).
 
         Returns:
-            The plugin's :class:`~kwplug.discovery.PluginRecord` as discovery now sees it.
+            The plugin's :class:`~kwplug._plugins.PluginRecord` as discovery now sees it.
 
         Raises:
             ValueError: ``plugin`` cannot be named by an import path (defined inside a
@@ -150,7 +149,7 @@ class PluginSandbox:
         """
         value = _import_path(plugin)
         name = name or value.rpartition(":")[2].rpartition(".")[2].lower() or value
-        key = f"{canonical(distribution)}:{name}"
+        key = f"{control_name(distribution)}:{name}"
         if key in self._added:
             raise ValueError(f"entry point {name!r} already added for {distribution!r}")
         self._added.add(key)
@@ -162,11 +161,13 @@ class PluginSandbox:
         metadata = [f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}"]
         metadata += [f"Requires-Dist: {line}" for line in requires]
         (info / "METADATA").write_text("\n".join(metadata) + "\n")
-        (info / "entry_points.txt").write_text(f"[{discovery.GROUP}]\n{name} = {value}\n")
+        (info / "entry_points.txt").write_text(f"[{_plugins.GROUP}]\n{name} = {value}\n")
         sys.path.insert(0, str(root))
         self._roots.append(str(root))
         for record in self.records(refresh=True):
-            if record.name == name and canonical(record.distribution) == canonical(distribution):
+            if record.name == name and control_name(record.distribution) == control_name(
+                distribution
+            ):
                 return record
         raise AssertionError(f"entry point {name!r} of {distribution!r} was not discovered")
 
@@ -182,22 +183,22 @@ class PluginSandbox:
             env["KWPLUG_PLUGINS"] = ",".join(sorted(self._keep | self._added))
         return env
 
-    def records(self, *, refresh: bool = False) -> tuple[discovery.PluginRecord, ...]:
+    def records(self, *, refresh: bool = False) -> tuple[_plugins.PluginRecord, ...]:
         """What :func:`kwplug.discover` sees in the sandbox, in precedence order."""
-        return discovery.discover(refresh=refresh)
+        return _plugins.discover(refresh=refresh)
 
     def plugin_manager(self, *handlers: KwargsHandler) -> pluggy.PluginManager:
         """A plugin manager built as an Accelerator builds it: ``handlers`` (as
         ``kwargs_handlers``), then the sandbox's default plugins."""
-        manager, _, _ = build_plugin_manager(check_handlers(list(handlers)), self.records())
-        return manager
+        checked = _plugins.require_handler_list(list(handlers))
+        return _plugins.KwplugPluginManager.for_handlers(checked, self.records())
 
     def accelerator(self, *handlers: KwargsHandler, **kwargs: Any) -> Accelerator:
         """``kwplug.Accelerator(kwargs_handlers=handlers, **kwargs)`` in the sandbox."""
         return Accelerator(kwargs_handlers=list(handlers), **kwargs)
 
     def _visible(self, ep: importlib_metadata.EntryPoint) -> bool:
-        dist_name = canonical(ep.dist.name) if ep.dist is not None else ""
+        dist_name = control_name(ep.dist.name) if ep.dist is not None else ""
         return (
             dist_name == "kwplug"
             or dist_name in self._keep

@@ -14,6 +14,7 @@ import torch
 import kwplug
 from kwplug import (
     Accelerator,
+    Answer,
     AutocastKwargs,
     CommHook,
     DDPCommunicationHookType,
@@ -24,7 +25,6 @@ from kwplug import (
     ProfileKwargs,
     hookimpl,
 )
-from kwplug.dispatch import Answer
 from kwplug.hookspecs import AutocastFactory
 
 

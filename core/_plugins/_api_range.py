@@ -1,4 +1,4 @@
-"""Which kwplug versions a plugin supports: its distribution's requirement on ``kwplug``.
+"""The plugin API range: the kwplug versions a plugin's distribution requires.
 
 A plugin declares the kwplug API range it supports the standard way, as a dependency in its
 ``pyproject.toml`` (``dependencies = ["kwplug>=0.1,<0.2"]``, stored as ``Requires-Dist`` in

@@ -10,17 +10,18 @@ names ``kwplug plugins`` shows.
 - ``KWPLUG_STRICT_PLUGINS=1``: a plugin that fails to load raises :class:`PluginLoadError`
   instead of being skipped with a warning (for plugin authors' CI).
 
-An unknown name is a :class:`PluginLoadWarning` listing the known names.
+An unknown name is a :class:`~kwplug.errors.PluginLoadWarning` listing the known names.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from collections.abc import Iterable, Mapping
 
 import attrs
+
+from kwplug.errors import PluginLoadWarning
 
 DISABLE_AUTOLOAD_ENV = "KWPLUG_DISABLE_PLUGIN_AUTOLOAD"
 ALLOW_ENV = "KWPLUG_PLUGINS"
@@ -30,35 +31,30 @@ STRICT_ENV = "KWPLUG_STRICT_PLUGINS"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 
 
-class PluginLoadWarning(UserWarning):
-    """A handler plugin could not be loaded, or a loading control names no plugin."""
-
-
-class PluginLoadError(RuntimeError):
-    """A handler plugin failed to load while ``KWPLUG_STRICT_PLUGINS=1``."""
-
-
 def _flag(environ: Mapping[str, str], name: str) -> bool:
     return environ.get(name, "").strip().lower() in _TRUE
 
 
-def canonical(name: str) -> str:
-    """A name as controls compare it: distribution names the way pip normalises them
-    (PEP 503: case-insensitive, runs of ``-``, ``_``, ``.`` are equal)."""
+def control_name(name: str) -> str:
+    """A name as the controls compare it: the distribution part normalised the way pip does
+    (PEP 503, ``packaging.utils.canonicalize_name``); an entry-point name after ``:`` is kept.
+    """
+    # Imported here: packaging costs milliseconds at start-up, and only set controls need it.
+    from packaging.utils import canonicalize_name
+
     dist, sep, entry_point = name.partition(":")
-    dist = re.sub(r"[-_.]+", "-", dist).lower()
-    return f"{dist}{sep}{entry_point}" if sep else dist
+    return f"{canonicalize_name(dist)}{sep}{entry_point}" if sep else canonicalize_name(dist)
 
 
 def _names(raw: str | None) -> frozenset[str] | None:
     if raw is None:
         return None
-    return frozenset(canonical(part.strip()) for part in raw.split(",") if part.strip())
+    return frozenset(control_name(part.strip()) for part in raw.split(",") if part.strip())
 
 
 def plugin_names(name: str, distribution: str) -> frozenset[str]:
-    """Every name a control may use for a plugin (normalised with :func:`canonical`)."""
-    return frozenset(canonical(n) for n in (name, distribution, f"{distribution}:{name}"))
+    """Every name a control may use for a plugin (normalised with :func:`control_name`)."""
+    return frozenset(control_name(n) for n in (name, distribution, f"{distribution}:{name}"))
 
 
 @attrs.frozen
@@ -90,6 +86,13 @@ class LoadControls:
 
     def status(self, name: str, distribution: str, builtin: bool) -> str | None:
         """``"blocked"``, ``"disabled"``, or ``None`` when the plugin is to be loaded."""
+        if not self.block:  # decided without normalising names (packaging is not imported)
+            if builtin:
+                return None
+            if self.builtins_only:
+                return "disabled"
+            if self.allow is None:
+                return None
         names = plugin_names(name, distribution)
         if names & self.block:
             return "blocked"

@@ -8,7 +8,7 @@ pluggy's validation against the hook specs is reported (warning :class:`PluginLo
 with its entry-point name, distribution, version and the reason; the others still load.
 
 Which plugins are imported at all is governed by the loading controls of
-:mod:`kwplug.loading` (``KWPLUG_DISABLE_PLUGIN_AUTOLOAD``, ``KWPLUG_PLUGINS``,
+:mod:`kwplug._plugins._controls` (``KWPLUG_DISABLE_PLUGIN_AUTOLOAD``, ``KWPLUG_PLUGINS``,
 ``KWPLUG_BLOCK_PLUGINS``, ``KWPLUG_STRICT_PLUGINS``); a blocked or disabled plugin is listed but
 never imported.
 """
@@ -20,149 +20,29 @@ import logging
 import os
 import sys
 import time
-import types
 import warnings
-from collections.abc import Callable, Iterable
-from typing import Any, cast
+from collections.abc import Callable
 
 import attrs
 import importlib_metadata
-import pluggy
 
-from kwplug.compat import api_problem
-from kwplug.conflicts import device_types_problem
-from kwplug.handler import KwargsHandler
-from kwplug.hookspecs import PROJECT_NAME, HandlerSpec
-from kwplug.loading import LoadControls, PluginLoadError, PluginLoadWarning
+from kwplug._plugins._api_range import api_problem
+from kwplug._plugins._controls import LoadControls
+from kwplug._plugins._manager import KwplugPluginManager
+from kwplug._plugins._records import OWN_DISTRIBUTION, PluginRecord, plugin_object
+from kwplug._plugins._rules import (
+    entry_point_object_problem,
+    registered_plugin_problem,
+    validate_hookimpls,
+)
+from kwplug.errors import PluginLoadError, PluginLoadWarning
 
 GROUP = "kwplug.handlers"
 #: A plugin slower than this to import (seconds) is reported with a PluginLoadWarning.
 SLOW_IMPORT_SECONDS = 1.0
-_OWN_DISTRIBUTION = "kwplug"
 
-logger = logging.getLogger(__name__)
-
-
-@attrs.frozen
-class PluginRecord:
-    """One discovered entry point of the ``kwplug.handlers`` group.
-
-    Attributes:
-        name: the entry-point name (e.g. ``"ddp"``).
-        value: the entry-point target, ``"module:attr"``.
-        distribution: name of the distribution that declares it (``"kwplug"`` for built-ins).
-        version: that distribution's version.
-        obj: the loaded object (handler class or plugin), or ``None`` when not loaded.
-        error: why loading failed (``None`` when it loaded or was not tried).
-        status: ``"loaded"``, ``"failed"``, ``"incompatible"`` (its requirement on kwplug
-            excludes this version; see :mod:`kwplug.compat`), ``"blocked"``
-            (``KWPLUG_BLOCK_PLUGINS``) or ``"disabled"`` (``KWPLUG_DISABLE_PLUGIN_AUTOLOAD``,
-            ``KWPLUG_PLUGINS``).
-        hooks: names of the hooks the plugin implements (empty when not loaded).
-        load_seconds: wall time spent importing and validating it, in seconds.
-    """
-
-    name: str
-    value: str
-    distribution: str
-    version: str
-    obj: Any = None
-    error: str | None = None
-    status: str = "loaded"
-    hooks: tuple[str, ...] = ()
-    load_seconds: float = 0.0
-
-    @property
-    def source(self) -> str:
-        """``"built-in"`` or ``"third-party"``."""
-        return "built-in" if self.builtin else "third-party"
-
-    @property
-    def builtin(self) -> bool:
-        """True for kwplug's own built-in handlers."""
-        return self.distribution == _OWN_DISTRIBUTION
-
-    @property
-    def loaded(self) -> bool:
-        """True when the plugin imported and validated."""
-        return self.status == "loaded"
-
-    @property
-    def handler_class(self) -> type[KwargsHandler] | None:
-        """The handler class, when the entry point names a :class:`KwargsHandler` subclass."""
-        obj = self.obj
-        if isinstance(obj, type) and issubclass(obj, KwargsHandler):
-            return obj
-        return None
-
-    def describe(self) -> str:
-        """``name (distribution version)``, the way errors and warnings name a plugin."""
-        return f"{self.name!r} ({self.distribution} {self.version})"
-
-
-_NO_OPTS: Any = object()
-
-
-class KwplugPluginManager(pluggy.PluginManager):
-    """``pluggy.PluginManager`` that remembers, per handler class, which attributes are hook
-    implementations.
-
-    pluggy inspects every attribute of a plugin at each ``register`` (``inspect.getattr_static``
-    over the ~50 attributes of an attrs class); an Accelerator registers a handler of each class,
-    so the answer is cached per class. Attributes set on an instance (not the class) are not
-    cached.
-    """
-
-    _opts_cache: dict[tuple[Any, str], Any] = {}  # noqa: RUF012 - shared on purpose
-
-    def parse_hookimpl_opts(self, plugin: Any, name: str) -> pluggy.HookimplOpts | None:
-        """pluggy's answer, cached per (class, attribute) for instances and per (module,
-        attribute) for modules."""
-        key: tuple[Any, str]
-        if isinstance(plugin, types.ModuleType):
-            key = (plugin, name)  # a module plugin: its functions are fixed once imported
-        elif isinstance(plugin, type) or name in getattr(plugin, "__dict__", ()):
-            return super().parse_hookimpl_opts(plugin, name)
-        else:
-            key = (type(plugin), name)
-        opts = self._opts_cache.get(key, _NO_OPTS)
-        if opts is _NO_OPTS:
-            opts = super().parse_hookimpl_opts(plugin, name)
-            self._opts_cache[key] = opts
-        return None if opts is None else cast(pluggy.HookimplOpts, dict(opts))
-
-
-def new_plugin_manager() -> pluggy.PluginManager:
-    """Return a :class:`KwplugPluginManager` for project ``kwplug`` with the hook specs added."""
-    pm = KwplugPluginManager(PROJECT_NAME)
-    pm.add_hookspecs(HandlerSpec)
-    return pm
-
-
-def tryfirst_problem(pm: pluggy.PluginManager, plugin: Any) -> str | None:
-    """Why ``plugin`` may not be loaded as is: a hook implementation marked ``tryfirst``
-    would answer before the handlers the user passes (kwplug decides the order), or ``None``."""
-    names = sorted(
-        caller.name
-        for caller in pm.get_hookcallers(plugin) or ()
-        for impl in caller.get_hookimpls()
-        if impl.plugin is plugin and impl.tryfirst
-    )
-    if not names:
-        return None
-    return (
-        f"hook implementation(s) {', '.join(names)} marked tryfirst would answer before the "
-        "user's kwargs_handlers; remove tryfirst (kwplug orders plugins: user handlers, "
-        "third-party defaults, built-ins)"
-    )
-
-
-def plugin_object(record: PluginRecord) -> Any:
-    """What to register for a loaded record: a default handler instance, or the object itself."""
-    cls = record.handler_class
-    if cls is not None:
-        return cls()
-    return record.obj
+# The public logger name (documented), kept from when this was the module kwplug.discovery.
+logger = logging.getLogger("kwplug.discovery")
 
 
 def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
@@ -176,20 +56,15 @@ def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
     start = time.perf_counter()
     try:
         obj = ep.load()
-        if isinstance(obj, type) and not issubclass(obj, KwargsHandler):
-            raise TypeError(
-                f"{ep.value} is a class but not a kwplug.KwargsHandler subclass; an entry point "
-                "must name a KwargsHandler subclass or a plugin object (e.g. a module)"
-            )
-        if isinstance(obj, type) and issubclass(obj, KwargsHandler) and not obj.is_attrs_class():
-            raise TypeError(f"{ep.value} is not an attrs class (decorate it with @attrs.define)")
+        problem = entry_point_object_problem(obj, ep.value)
+        if problem is not None:
+            raise TypeError(problem)
         # Validate hookimpls against the specs now, so a broken plugin is reported once here
         # instead of failing every Accelerator later.
-        pm = new_plugin_manager()
+        pm = KwplugPluginManager()
         plugin = plugin_object(attrs.evolve(record, obj=obj))
-        pm.register(plugin, name=ep.name)
-        pm.check_pending()
-        problem = device_types_problem(plugin) or tryfirst_problem(pm, plugin)
+        validate_hookimpls(pm, plugin, ep.name)
+        problem = registered_plugin_problem(pm, plugin)
         if problem is not None:
             raise TypeError(problem)
         hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
@@ -211,6 +86,11 @@ def set_visible(visible: Callable[[importlib_metadata.EntryPoint], bool] | None)
     global _visible
     _visible = visible
     discover(refresh=True)
+
+
+def visible() -> Callable[[importlib_metadata.EntryPoint], bool] | None:
+    """The filter :func:`set_visible` installed (``None``: every entry point)."""
+    return _visible
 
 
 @functools.cache
@@ -235,20 +115,21 @@ def _load_cached(ep: importlib_metadata.EntryPoint) -> PluginRecord:
             f"kwplug: handler plugin {record.describe()} failed to load and is skipped: "
             f"{record.error}"
         )
-        _warn(message)
+        _warn(message, record)
     elif record.load_seconds > SLOW_IMPORT_SECONDS:
         message = (
             f"kwplug: handler plugin {record.describe()} took {record.load_seconds:.1f} s to "
             "import; every process pays this at start-up"
         )
-        _warn(message)
+        _warn(message, record)
     return record
 
 
-_CORE = os.path.dirname(os.path.abspath(__file__))
+# kwplug's own folder (this module's parent package's parent).
+_CORE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _warn(message: str) -> None:
+def _warn(message: str, record: PluginRecord) -> None:
     # Point the warning at the user's line (the Accelerator(), the discover() call), not at
     # kwplug's own frames, whatever depth the cached loaders are reached from.
     frame = sys._getframe(1)
@@ -256,7 +137,8 @@ def _warn(message: str) -> None:
     while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_CORE):
         frame = frame.f_back
         level += 1
-    warnings.warn(message, PluginLoadWarning, stacklevel=level)
+    warning = PluginLoadWarning(message, plugin=record.name, distribution=record.distribution)
+    warnings.warn(warning, stacklevel=level)
     logger.debug(message)
 
 
@@ -267,7 +149,7 @@ def _incompatible(ep: importlib_metadata.EntryPoint, problem: str) -> PluginReco
         ep.name, ep.value, distribution, version, error=problem, status="incompatible"
     )
     message = f"kwplug: handler plugin {record.describe()} is not loaded: {problem}"
-    _warn(message)
+    _warn(message, record)
     return record
 
 
@@ -294,7 +176,7 @@ def discover(*, refresh: bool = False) -> tuple[PluginRecord, ...]:
     kwplug's built-ins; the order does not depend on the order entry points are found in.
     Every entry point is listed with its ``status``; only ``"loaded"`` ones take part in
     hook calls. A failed plugin is reported once per process with a
-    :class:`~kwplug.loading.PluginLoadWarning`; blocked and disabled plugins are not imported.
+    :class:`~kwplug.errors.PluginLoadWarning`; blocked and disabled plugins are not imported.
 
     Args:
         refresh: forget the per-process cache and read the entry points again (after a
@@ -320,7 +202,7 @@ def _discover(controls: LoadControls) -> tuple[PluginRecord, ...]:
         if _visible is not None and not _visible(ep):
             continue
         distribution, version = _dist(ep)
-        builtin = distribution == _OWN_DISTRIBUTION
+        builtin = distribution == OWN_DISTRIBUTION
         status = controls.status(ep.name, distribution, builtin)
         problem = None if builtin or status is not None else api_problem(ep.dist)
         if problem is not None:  # never imported: an incompatible plugin is not half-loaded
@@ -337,11 +219,7 @@ def _discover(controls: LoadControls) -> tuple[PluginRecord, ...]:
             _discover.cache_clear()  # raise again next time
             raise PluginLoadError(
                 "KWPLUG_STRICT_PLUGINS is set and handler plugin(s) failed to load: "
-                + "; ".join(f"{r.describe()}: {r.error}" for r in failed)
+                + "; ".join(f"{r.describe()}: {r.error}" for r in failed),
+                plugins=tuple((r.name, r.distribution) for r in failed),
             )
     return tuple(sorted(records, key=_order_key))
-
-
-def loaded(records: Iterable[PluginRecord]) -> list[PluginRecord]:
-    """The records that loaded successfully."""
-    return [r for r in records if r.loaded]

@@ -1,0 +1,35 @@
+"""kwplug's plugin machinery (private: import what you need from :mod:`kwplug`).
+
+One object, :class:`KwplugPluginManager`, holds an Accelerator's plugins; the modules around
+it each own one concern:
+
+- ``_discovery``: reads the ``kwplug.handlers`` entry points, loads and validates plugins.
+- ``_records``: :class:`PluginRecord`, what discovery knows about one entry point.
+- ``_controls``: the ``KWPLUG_*`` loading controls.
+- ``_api_range``: the kwplug version range a plugin's distribution requires.
+- ``_rules``: every "is this a valid plugin" rule (discovery and ``kwplug.testing`` share it).
+- ``_manager``: the manager (names, descriptions, third-party status, hook calls).
+- ``_calls``: hook calls with provenance through pluggy's ``_hookexec``.
+- ``_conflicts``: two third-party defaults claiming one one-answer hook.
+"""
+
+from __future__ import annotations
+
+from kwplug._plugins._calls import Answer
+from kwplug._plugins._discovery import GROUP, discover, set_visible, visible
+from kwplug._plugins._manager import TRACE_ENV, KwplugPluginManager
+from kwplug._plugins._records import PluginRecord
+from kwplug._plugins._rules import require_handler_instance, require_handler_list
+
+__all__ = [
+    "GROUP",
+    "TRACE_ENV",
+    "Answer",
+    "KwplugPluginManager",
+    "PluginRecord",
+    "discover",
+    "require_handler_instance",
+    "require_handler_list",
+    "set_visible",
+    "visible",
+]

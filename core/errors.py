@@ -1,0 +1,126 @@
+"""Every exception and warning kwplug raises, in one place.
+
+Each error subclasses :class:`KwplugError` *and* the builtin it has always been (so
+``except RuntimeError`` / ``except ValueError`` / ``pytest.raises(AssertionError)`` in existing
+code keep working), and carries what its message names as attributes, for programs that handle
+it. Warnings subclass :class:`KwplugWarning` (a ``UserWarning``). The messages are unchanged; the
+attributes default to ``None`` when a raise site does not know them. Every error pickles with its
+attributes (``BaseException`` keeps an instance's ``__dict__`` across ``pickle``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class KwplugError(Exception):
+    """Base class of every error kwplug raises on purpose."""
+
+
+class KwplugWarning(UserWarning):
+    """Base class of every warning kwplug issues."""
+
+
+class PluginLoadWarning(KwplugWarning):
+    """A handler plugin could not be loaded, or a loading control names no plugin.
+
+    Attributes:
+        plugin: the entry-point name, or ``None`` (a loading control naming no plugin).
+        distribution: the distribution declaring the entry point, or ``None``.
+    """
+
+    def __init__(
+        self, message: str, *, plugin: str | None = None, distribution: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.plugin = plugin
+        self.distribution = distribution
+
+
+class PluginLoadError(KwplugError, RuntimeError):
+    """A handler plugin failed to load while ``KWPLUG_STRICT_PLUGINS=1``.
+
+    Attributes:
+        plugins: ``(entry-point name, distribution)`` of every plugin that failed.
+    """
+
+    def __init__(self, message: str, *, plugins: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.plugins = plugins
+
+
+class PluginHookError(KwplugError, RuntimeError):
+    """A third-party plugin's hook implementation raised; the message names the plugin.
+
+    The plugin's own exception is the ``__cause__``.
+
+    Attributes:
+        plugin: the plugin's registered name (``distribution:entry-point``).
+        hook: the hook name, e.g. ``"make_scaler"``.
+    """
+
+    def __init__(self, message: str, *, plugin: str | None = None, hook: str | None = None) -> None:
+        super().__init__(message)
+        self.plugin = plugin
+        self.hook = hook
+
+
+class PluginConflictError(KwplugError, RuntimeError):
+    """Two third-party default plugins claim the same one-answer hook for the same device.
+
+    Attributes:
+        conflicts: hook name -> the claiming plugins, described, joined by ``" and "``.
+        device_type: the device type the plugins claim, e.g. ``"cpu"``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        conflicts: Mapping[str, str] | None = None,
+        device_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.conflicts = dict(conflicts or {})
+        self.device_type = device_type
+
+
+class ConfigError(KwplugError, ValueError):
+    """A configuration file or mapping is invalid; the message names the file, table and key.
+
+    Attributes:
+        file: the file path, or ``"<mapping>"`` for a mapping.
+        key: the key at fault (``"handlers.<name>"`` or ``"handlers.<name>.<option>"`` inside
+            a handler table), or ``None`` when the whole source is at fault.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.file = file
+        self.key = key
+
+
+class DistributedRunError(KwplugError, AssertionError):
+    """A ``kwplug.testing`` distributed run failed: the message holds the failing rank's
+    traceback and the tail of the job's output (an ``AssertionError``, so pytest reports it as
+    a failed test rather than an error).
+
+    Attributes:
+        returncode: the job's exit status (``None`` when it timed out).
+    """
+
+    def __init__(self, message: str, *, returncode: int | None = None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+__all__ = [
+    "ConfigError",
+    "DistributedRunError",
+    "KwplugError",
+    "KwplugWarning",
+    "PluginConflictError",
+    "PluginHookError",
+    "PluginLoadError",
+    "PluginLoadWarning",
+]
