@@ -64,7 +64,6 @@ if TYPE_CHECKING:
         is_pandas_available,
         is_peft_available,
         is_rich_available,
-        is_safetensors_available,
         is_schedulefree_available,
         is_sdaa_available,
         is_swanlab_available,
@@ -115,7 +114,7 @@ if TYPE_CHECKING:
         slice_tensors,
     )
 
-#: Module that defines each exported name (every name in the module's ``__all__``).
+#: Module that defines each exported name (Accelerate's names only: a module may define more).
 _MODULES: dict[str, tuple[str, ...]] = {
     "kwplug.plugins": (
         "AutocastKwargs",
@@ -154,7 +153,6 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "is_pandas_available",
         "is_peft_available",
         "is_rich_available",
-        "is_safetensors_available",
         "is_schedulefree_available",
         "is_sdaa_available",
         "is_swanlab_available",
@@ -256,7 +254,6 @@ __all__ = [
     "is_pandas_available",
     "is_peft_available",
     "is_rich_available",
-    "is_safetensors_available",
     "is_schedulefree_available",
     "is_sdaa_available",
     "is_swanlab_available",

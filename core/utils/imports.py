@@ -40,7 +40,6 @@ __all__ = [
     "is_pandas_available",
     "is_peft_available",
     "is_rich_available",
-    "is_safetensors_available",
     "is_schedulefree_available",
     "is_sdaa_available",
     "is_swanlab_available",
@@ -219,11 +218,6 @@ def is_matplotlib_available() -> bool:
 def is_boto3_available() -> bool:
     """``boto3`` is installed."""
     return _is_package_available("boto3")
-
-
-def is_safetensors_available() -> bool:
-    """``safetensors`` is installed."""
-    return _is_package_available("safetensors")
 
 
 def is_deepspeed_available() -> bool:
