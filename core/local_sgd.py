@@ -83,14 +83,11 @@ class LocalSGD:
         self.accelerator = accelerator
         self.model = model
         self.local_sgd_steps = local_sgd_steps
-        if self.enabled and (
-            isinstance(local_sgd_steps, bool)
-            or not isinstance(local_sgd_steps, int)
-            or local_sgd_steps < 1
-        ):
-            raise (ValueError if isinstance(local_sgd_steps, int) else TypeError)(
-                f"local_sgd_steps must be an int >= 1, got {local_sgd_steps!r}"
-            )
+        if self.enabled:
+            if isinstance(local_sgd_steps, bool) or not isinstance(local_sgd_steps, int):
+                raise TypeError(f"local_sgd_steps must be an int >= 1, got {local_sgd_steps!r}")
+            if local_sgd_steps < 1:
+                raise ValueError(f"local_sgd_steps must be an int >= 1, got {local_sgd_steps!r}")
         self._no_sync: contextlib.AbstractContextManager[Any] | None = None
 
     def __enter__(self) -> LocalSGD:
