@@ -57,7 +57,8 @@ class LocalSGD:
     Raises:
         NotImplementedError: the parameters are sharded (DTensor parameters, e.g. FSDP2, or a
             ``distributed_type`` of FSDP/DeepSpeed/XLA/Megatron-LM).
-        TypeError, ValueError: ``local_sgd_steps`` is not an int >= 1 while enabled.
+        TypeError: ``local_sgd_steps`` is not an int while enabled.
+        ValueError: ``local_sgd_steps < 1`` while enabled.
     """
 
     def __init__(

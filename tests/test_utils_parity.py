@@ -462,3 +462,14 @@ def test_patch_environment_restores(monkeypatch: pytest.MonkeyPatch) -> None:
     from kwplug.utils.environment import parse_flag_from_env
 
     assert parse_flag_from_env("KWPLUG_T_OLD") and not parse_flag_from_env("KWPLUG_T_NEW")
+
+
+def test_accelerates_top_level_utils_names_are_at_kwplugs_top_level() -> None:
+    import accelerate
+
+    import kwplug
+
+    for name in kwplug._UTILS_REEXPORTS:
+        assert hasattr(accelerate, name)
+        assert getattr(kwplug, name) is getattr(ku, name)
+        assert name in kwplug.__all__

@@ -124,10 +124,11 @@ def find_executable_batch_size(
         The decorated function, or a decorator when ``function`` is ``None``.
 
     Raises:
-        TypeError (from the decorated function): the caller passed the batch size itself.
-        RuntimeError (from the decorated function): ``"No executable batch size found,
-            reached zero."`` when the batch size reaches 0.
+        TypeError: ``starting_batch_size`` is not an int. When the decorated function is
+            called: the caller passed the batch size itself.
         ValueError: ``starting_batch_size`` is negative.
+        RuntimeError: when the decorated function is called and the batch size reaches 0:
+            ``"No executable batch size found, reached zero."``.
     """
     if isinstance(starting_batch_size, bool) or not isinstance(starting_batch_size, int):
         raise TypeError(f"starting_batch_size must be an int, got {starting_batch_size!r}")
