@@ -473,3 +473,20 @@ def test_accelerates_top_level_utils_names_are_at_kwplugs_top_level() -> None:
         assert hasattr(accelerate, name)
         assert getattr(kwplug, name) is getattr(ku, name)
         assert name in kwplug.__all__
+
+
+def test_clear_device_cache_empties_only_an_initialised_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("cuda"))
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: calls.append("accelerator"))
+    ku.clear_device_cache()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    ku.clear_device_cache()  # CUDA not initialised: nothing cached, and it stays uninitialised
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("xpu"))
+    ku.clear_device_cache(garbage_collection=True)
+    assert calls == ["cuda", "accelerator"]

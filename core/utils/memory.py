@@ -46,13 +46,17 @@ def clear_device_cache(garbage_collection: bool = False) -> None:
     """
     if garbage_collection:
         gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        return
     accelerator = getattr(torch, "accelerator", None)
     empty_cache = getattr(accelerator, "empty_cache", None)
-    if accelerator is not None and callable(empty_cache):
-        if accelerator.is_available():
-            empty_cache()
-    elif torch.cuda.is_available():  # torch without torch.accelerator.empty_cache
-        torch.cuda.empty_cache()
+    if accelerator is None or not callable(empty_cache) or not accelerator.is_available():
+        return
+    # CUDA not yet initialised has nothing cached; initialising it here would break a later
+    # fork (DataLoader workers).
+    if accelerator.current_accelerator().type != "cuda":
+        empty_cache()
 
 
 def release_memory(*objects: Any) -> list[None]:
