@@ -46,7 +46,7 @@ def clear_device_cache(garbage_collection: bool = False) -> None:
     """
     if garbage_collection:
         gc.collect()
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.empty_cache()
         return
     accelerator = getattr(torch, "accelerator", None)
