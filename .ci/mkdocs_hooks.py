@@ -23,6 +23,7 @@ def _build_tree() -> None:
         (package / source.name).symlink_to(source)
     (package / "plugins").symlink_to(ROOT / "plugins", target_is_directory=True)
     (package / "testing").symlink_to(ROOT / "core" / "testing", target_is_directory=True)
+    (package / "utils").symlink_to(ROOT / "core" / "utils", target_is_directory=True)
 
 
 _build_tree()

@@ -26,6 +26,12 @@ if TYPE_CHECKING:
         InitProcessGroupKwargs,
         ProfileKwargs,
     )
+    from kwplug.utils import (
+        DataLoaderConfiguration,
+        DistributedType,
+        find_executable_batch_size,
+        is_rich_available,
+    )
 
 __all__ = [
     "Accelerator",
@@ -33,7 +39,9 @@ __all__ = [
     "AutocastKwargs",
     "CommHook",
     "DDPCommunicationHookType",
+    "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
+    "DistributedType",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
     "KwargsHandler",
@@ -42,8 +50,10 @@ __all__ = [
     "ProfileKwargs",
     "__version__",
     "discover",
+    "find_executable_batch_size",
     "hookimpl",
     "hookspec",
+    "is_rich_available",
     "register_comm_hook",
     "unregister_comm_hook",
 ]
@@ -59,6 +69,17 @@ _BUILTIN_REEXPORTS = frozenset(
     }
 )
 
+# What ``accelerate`` itself (not ``accelerate.utils``) exports from its utils, for
+# ``from accelerate import Accelerator, DistributedType`` to port by renaming the package.
+_UTILS_REEXPORTS = frozenset(
+    {
+        "DataLoaderConfiguration",
+        "DistributedType",
+        "find_executable_batch_size",
+        "is_rich_available",
+    }
+)
+
 
 def __getattr__(name: str) -> Any:
     if name == "__version__":  # from the installed metadata; read lazily, import stays cheap
@@ -70,4 +91,8 @@ def __getattr__(name: str) -> Any:
         from kwplug import plugins
 
         return getattr(plugins, name)
+    if name in _UTILS_REEXPORTS:
+        from kwplug import utils
+
+        return getattr(utils, name)
     raise AttributeError(f"module 'kwplug' has no attribute {name!r}")

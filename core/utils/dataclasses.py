@@ -1,0 +1,246 @@
+"""Configuration objects with Accelerate's names and fields, validated at construction.
+
+``DistributedType`` has the members and values of ``accelerate.utils.DistributedType``, so
+``accelerator.distributed_type == DistributedType.MULTI_GPU`` ports unchanged.
+``DataLoaderConfiguration``, ``ProjectConfiguration`` and ``GradientAccumulationPlugin`` keep
+Accelerate's field names, order and defaults; unlike Accelerate's dataclasses they check their
+values (at construction and on assignment) and name the field in the error.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from typing import Any
+
+import attrs
+
+from kwplug.validators import number, optional_bool, strict_bool
+
+__all__ = [
+    "DataLoaderConfiguration",
+    "DistributedType",
+    "GradientAccumulationPlugin",
+    "ProjectConfiguration",
+    "default_distributed_type",
+]
+
+
+class DistributedType(str, enum.Enum):
+    """The kind of distributed run, as Accelerate names it.
+
+    A ``str`` enum (``DistributedType.MULTI_CPU == "MULTI_CPU"``), JSON-serialisable. kwplug
+    itself produces ``NO``, ``MULTI_CPU``, ``MULTI_GPU`` and the other ``MULTI_<device>``
+    values (see :func:`default_distributed_type`); a wrapping plugin may report ``FSDP``. The
+    remaining members (``DEEPSPEED``, ``XLA``, ``MEGATRON_LM``) exist so that comparisons in
+    ported scripts keep working; kwplug never reports them.
+    """
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+    XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
+
+
+_MULTI_BY_DEVICE = {
+    "cpu": DistributedType.MULTI_CPU,
+    "cuda": DistributedType.MULTI_GPU,
+    "xpu": DistributedType.MULTI_XPU,
+    "npu": DistributedType.MULTI_NPU,
+    "mlu": DistributedType.MULTI_MLU,
+    "sdaa": DistributedType.MULTI_SDAA,
+    "musa": DistributedType.MULTI_MUSA,
+    "hpu": DistributedType.MULTI_HPU,
+    "neuron": DistributedType.MULTI_NEURON,
+}
+
+
+def default_distributed_type(device_type: str, num_processes: int) -> DistributedType:
+    """The ``DistributedType`` of plain data parallelism (no sharding plugin).
+
+    Args:
+        device_type: ``torch.device(...).type`` the processes train on (``"cpu"``, ``"cuda"``...).
+        num_processes: number of processes, >= 1.
+
+    Returns:
+        ``NO`` for one process; otherwise ``MULTI_<device>`` as Accelerate names it
+        (``"cuda"`` is ``MULTI_GPU``), and ``MULTI_GPU`` for an out-of-tree device type that
+        Accelerate has no name for.
+
+    Raises:
+        ValueError: ``num_processes < 1``.
+    """
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be >= 1, got {num_processes!r}")
+    if num_processes == 1:
+        return DistributedType.NO
+    return _MULTI_BY_DEVICE.get(device_type, DistributedType.MULTI_GPU)
+
+
+def _optional_int(*, ge: int) -> Any:
+    return attrs.validators.optional(number(integer=True, ge=ge))
+
+
+def _seed(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    number(integer=True)(instance, attribute, value)
+    # The range torch.Generator.manual_seed accepts.
+    if not -(2**63) <= value < 2**64:
+        raise ValueError(f"'{attribute.name}' must be in [-2**63, 2**64), got {value!r}")
+
+
+def _not_true(reason: str) -> Any:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is True:
+            raise ValueError(f"'{attribute.name}=True' is not supported by kwplug: {reason}")
+
+    return check
+
+
+@attrs.define
+class DataLoaderConfiguration:
+    """How ``Accelerator.prepare`` shards data loaders (Accelerate's fields and defaults).
+
+    Attributes:
+        split_batches: ``bool``, default ``False``. ``True``: each batch the loader yields is
+            split across the processes (its size must be a multiple of ``num_processes``);
+            ``False``: each process gets whole batches, so the global batch is
+            ``batch_size * num_processes``.
+        dispatch_batches: ``None`` (default) or ``False``. Accelerate's ``True`` (rank 0 reads
+            every batch and sends each process its part) is refused: every kwplug rank reads
+            its own shard.
+        even_batches: ``bool``, default ``True``; complete the last global batch with samples
+            from the start of the data set so that every process gets the same number of
+            batches (``gather_for_metrics`` drops the duplicates again).
+        use_seedable_sampler: ``bool``, default ``False``; shuffle with a sampler seeded from
+            ``data_seed`` (or the seed given to ``set_seed``) that yields the same order on
+            every process.
+        data_seed: ``int`` or ``None`` (default); the seed of that sampler's generator.
+        non_blocking: ``bool``, default ``False``; copy batches to the device with
+            ``non_blocking=True`` (pair with ``pin_memory=True``).
+        use_stateful_dataloader: ``bool``, default ``False``. Accelerate needs torchdata's
+            ``StatefulDataLoader`` for this; kwplug's prepared loaders always keep their
+            position (``state_dict``/``load_state_dict``), so ``True`` changes nothing.
+
+    Raises:
+        TypeError: a field has the wrong type (``0``/``1`` are not booleans).
+        ValueError: ``dispatch_batches=True``; ``data_seed`` outside torch's seed range.
+    """
+
+    split_batches: bool = attrs.field(default=False, validator=strict_bool)
+    dispatch_batches: bool | None = attrs.field(
+        default=None,
+        validator=[
+            optional_bool,
+            _not_true("every rank reads its own shard; use None or False"),
+        ],
+    )
+    even_batches: bool = attrs.field(default=True, validator=strict_bool)
+    use_seedable_sampler: bool = attrs.field(default=False, validator=strict_bool)
+    data_seed: int | None = attrs.field(default=None, validator=_seed)
+    non_blocking: bool = attrs.field(default=False, validator=strict_bool)
+    use_stateful_dataloader: bool = attrs.field(default=False, validator=strict_bool)
+
+
+def _fspath(value: Any) -> Any:
+    # Paths become str; anything else is left for _optional_path to reject by name.
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+def _optional_path(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(
+            f"'{attribute.name}' must be a path (str or os.PathLike) or None, got {value!r} "
+            f"of type {type(value).__name__}"
+        )
+
+
+@attrs.define
+class ProjectConfiguration:
+    """Where a project saves checkpoints and logs (Accelerate's fields and defaults).
+
+    Attributes:
+        project_dir: ``str`` or ``os.PathLike`` (stored as ``str``), or ``None`` (default);
+            the folder for checkpoints (``<project_dir>/checkpoints/checkpoint_<i>`` with
+            ``automatic_checkpoint_naming``).
+        logging_dir: folder for trackers' logs; ``None`` (default) means ``project_dir``.
+        automatic_checkpoint_naming: ``bool``, default ``False``; ``save_state()`` without a
+            folder names checkpoints by ``iteration``.
+        total_limit: ``int`` >= 1 or ``None`` (default: keep all); the most automatically
+            named checkpoints kept, the oldest deleted first.
+        iteration: ``int`` >= 0, default 0; the number of the next automatic checkpoint.
+        save_on_each_node: ``bool``, default ``False``; save on each node's local main
+            process instead of only on the global main process.
+
+    Raises:
+        TypeError: a field has the wrong type (a path that is not ``str``/``os.PathLike``,
+            a bool as a number).
+        ValueError: ``total_limit < 1`` or ``iteration < 0``.
+    """
+
+    project_dir: str | None = attrs.field(default=None, converter=_fspath, validator=_optional_path)
+    logging_dir: str | None = attrs.field(default=None, converter=_fspath, validator=_optional_path)
+    automatic_checkpoint_naming: bool = attrs.field(default=False, validator=strict_bool)
+    total_limit: int | None = attrs.field(default=None, validator=_optional_int(ge=1))
+    iteration: int = attrs.field(default=0, validator=number(integer=True, ge=0))
+    save_on_each_node: bool = attrs.field(default=False, validator=strict_bool)
+
+    def __attrs_post_init__(self) -> None:
+        self.set_directories(self.project_dir)
+
+    def set_directories(self, project_dir: str | os.PathLike[str] | None = None) -> None:
+        """Set ``project_dir``; ``logging_dir`` follows it unless it was given.
+
+        Args:
+            project_dir: the new project folder, or ``None``.
+        """
+        self.project_dir = project_dir  # type: ignore[assignment]  # converted to str
+        if self.logging_dir is None:
+            self.logging_dir = self.project_dir
+
+
+@attrs.define
+class GradientAccumulationPlugin:
+    """Gradient accumulation options (Accelerate's fields and defaults).
+
+    A plain configuration object for ``Accelerator(gradient_accumulation_plugin=...)``, not a
+    kwargs handler: it answers no hook.
+
+    Attributes:
+        num_steps: ``int`` >= 1 or ``None`` (default); batches per optimizer step.
+        adjust_scheduler: ``bool``, default ``True``; step prepared schedulers as if no
+            accumulation happened (once per optimizer step, not per batch).
+        sync_with_dataloader: ``bool``, default ``True``; the end of a prepared data loader
+            forces a synchronising step.
+        sync_each_batch: ``bool``, default ``False``; synchronise gradients on every batch
+            (less memory, more communication).
+
+    Raises:
+        TypeError: a field has the wrong type.
+        ValueError: ``num_steps < 1``.
+    """
+
+    num_steps: int | None = attrs.field(default=None, validator=_optional_int(ge=1))
+    adjust_scheduler: bool = attrs.field(default=True, validator=strict_bool)
+    sync_with_dataloader: bool = attrs.field(default=True, validator=strict_bool)
+    sync_each_batch: bool = attrs.field(default=False, validator=strict_bool)
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The fields whose value differs from the default, as Accelerate's ``to_kwargs``."""
+        default = GradientAccumulationPlugin()
+        return {
+            f.name: getattr(self, f.name)
+            for f in attrs.fields(GradientAccumulationPlugin)
+            if getattr(self, f.name) != getattr(default, f.name)
+        }

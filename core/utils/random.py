@@ -1,0 +1,72 @@
+"""``set_seed``: seed Python, NumPy, torch and every available device in one call."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import torch
+
+from kwplug.environment import ProcessInfo
+
+__all__ = ["set_seed"]
+
+#: NumPy's legacy ``np.random.seed`` accepts exactly this range; the other generators accept it.
+_SEED_LIMIT = 2**32
+
+
+def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
+    """Seed ``random``, NumPy's global generator, torch's CPU generator and every device's.
+
+    The streams equal those after ``accelerate.utils.set_seed`` with the same arguments. The
+    device generators seeded are CUDA's (``torch.cuda.manual_seed_all``, a deferred no-op
+    without CUDA), and XPU's, MPS's and the current ``torch.accelerator``'s when available
+    (Accelerate seeds only the first of these it finds).
+
+    Args:
+        seed: ``int`` in ``[0, 2**32)`` (NumPy's range), after adding the process index.
+        device_specific: add this process's global rank (``RANK``, or the default process
+            group's rank) to ``seed``, so that ranks draw different numbers.
+        deterministic: also call ``torch.use_deterministic_algorithms(True)``; a
+            non-deterministic operation then raises ``RuntimeError`` when it runs (CUDA also
+            needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` for some of them).
+
+    Raises:
+        TypeError: ``seed`` is not an ``int`` (a ``bool`` is refused), or a flag is not a bool.
+        ValueError: the seed is outside ``[0, 2**32)``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r} of type {type(seed).__name__}")
+    for name, flag in (("device_specific", device_specific), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if device_specific:
+        seed += ProcessInfo.current().rank
+    if not 0 <= seed < _SEED_LIMIT:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    random.seed(seed)
+    if importlib.util.find_spec("numpy") is not None:  # imported only when seeding, not by kwplug
+        import numpy as np
+
+        np.random.seed(seed)
+    torch.manual_seed(seed)
+    _seed_devices(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+def _seed_devices(seed: int) -> None:
+    # torch.manual_seed already reaches the built-in backends in recent torch; seeding each
+    # explicitly keeps every visible device of every backend seeded on older versions too.
+    torch.cuda.manual_seed_all(seed)
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        torch.xpu.manual_seed_all(seed)
+    if torch.backends.mps.is_available():
+        torch.mps.manual_seed(seed)
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        device_type = accelerator.current_accelerator().type
+        backend = getattr(torch, device_type, None)
+        seed_all = getattr(backend, "manual_seed_all", None)
+        if callable(seed_all):
+            seed_all(seed)
