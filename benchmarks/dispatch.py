@@ -41,7 +41,7 @@ class HookCallCounter:
 
     - ``pluggy``: calls through pluggy's ``HookCaller`` (``add_hookcall_monitoring``);
     - ``kwplug``: calls through kwplug's own provenance-tracking dispatcher
-      (``kwplug.accelerator.call_first``, which walks the implementations itself, out of
+      (``kwplug.accelerator._setup.call_first``, which walks the implementations itself, out of
       pluggy's monitoring's sight), when the core has one;
     - ``impl``: invocations of any registered hook implementation function, however reached.
     """
@@ -54,7 +54,7 @@ class HookCallCounter:
         self._undo: list[Callable[[], None]] = []
 
     def __enter__(self) -> HookCallCounter:
-        import kwplug.accelerator as core
+        import kwplug.accelerator._setup as core
 
         pm = self.accelerator.plugin_manager
         calls = self.calls
@@ -213,7 +213,7 @@ def hook_call_blocks(hook_name: str, n: int) -> tuple[dict[str, Callable[[], flo
 
     # What the Accelerator itself calls at setup: kwplug's provenance-tracking dispatcher
     # when the core has one, else pluggy's HookCaller.
-    import kwplug.accelerator as core
+    import kwplug.accelerator._setup as core
 
     dispatcher = getattr(core, "call_first", None)
     pm = accelerator.plugin_manager
