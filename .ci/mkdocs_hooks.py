@@ -22,8 +22,8 @@ def _build_tree() -> None:
     for source in (ROOT / "core").glob("*.py"):
         (package / source.name).symlink_to(source)
     (package / "plugins").symlink_to(ROOT / "plugins", target_is_directory=True)
-    (package / "testing").symlink_to(ROOT / "core" / "testing", target_is_directory=True)
-    (package / "utils").symlink_to(ROOT / "core" / "utils", target_is_directory=True)
+    for init in (ROOT / "core").glob("*/__init__.py"):  # kwplug.accelerator, kwplug.testing, ...
+        (package / init.parent.name).symlink_to(init.parent, target_is_directory=True)
 
 
 _build_tree()

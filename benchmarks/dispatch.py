@@ -55,7 +55,7 @@ class HookCallCounter:
         self._undo: list[Callable[[], None]] = []
 
     def __enter__(self) -> HookCallCounter:
-        import kwplug.accelerator as core
+        import kwplug.accelerator._setup as core
 
         pm = self.accelerator.plugin_manager
         calls = self.calls

@@ -1,0 +1,24 @@
+"""The minimal ``Accelerator``: builds every torch object through the handler hooks.
+
+The package keeps one concern per private module:
+
+- ``_facade``: the public :class:`Accelerator`, each method a delegation;
+- ``_setup``: resolves arguments, process, device, plugins, comm hooks, autocast factory and
+  scaler once, into a frozen object; the only module importing the plugin plumbing;
+- ``_prepare``: prepares models, optimizers and data loaders and keeps them;
+- ``_ops``: collectives (gather, reduce, barrier);
+- ``_checkpointing``: ``save_state`` / ``load_state``.
+
+A new concern (gradient accumulation, trackers, more collectives) gets its own private module
+and a delegating method on the facade; collectives go to ``_ops``.
+"""
+
+from __future__ import annotations
+
+from kwplug.accelerator._facade import Accelerator
+from kwplug.accelerator._setup import MIXED_PRECISION
+
+# Documented, pickled and shown under its public path.
+Accelerator.__module__ = __name__
+
+__all__ = ["MIXED_PRECISION", "Accelerator"]

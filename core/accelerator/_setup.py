@@ -1,0 +1,157 @@
+"""Everything an ``Accelerator`` resolves once, at construction, into one frozen :class:`_Setup`.
+
+Hooks are called through the Accelerator's :class:`~kwplug._plugins.KwplugPluginManager`,
+which records who answered each one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from kwplug._plugins import Answer, KwplugPluginManager, discover, require_handler_list
+from kwplug.comm_hooks import CommHook, merge_comm_hooks
+from kwplug.environment import ProcessInfo, end_process_group, select_device
+from kwplug.handler import KwargsHandler
+from kwplug.hookspecs import AutocastFactory
+
+logger = logging.getLogger(__name__)
+
+MIXED_PRECISION = ("no", "fp16", "bf16")
+
+
+@attrs.frozen
+class _Setup:
+    """What an ``Accelerator`` resolved at construction; nothing here is looked up again.
+
+    Attributes:
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+        handlers: the checked ``kwargs_handlers``.
+        plugins: the plugin manager (names, descriptions, who answered).
+        process: ranks, read after the process group was initialised.
+        device: where this process trains.
+        comm_hooks: the merged named DDP communication hooks (passed to ``wrap_model``).
+        autocast_factory: builds the autocast context (``contextlib.nullcontext`` when no
+            plugin answered).
+        scaler: the ``torch.amp.GradScaler``, or ``None``. It holds training state (the
+            scale), so it belongs to one run.
+        answers: who answered each set-up ``firstresult`` hook, in call order.
+    """
+
+    mixed_precision: str
+    handlers: list[KwargsHandler]
+    plugins: KwplugPluginManager
+    process: ProcessInfo
+    device: torch.device
+    comm_hooks: dict[str, CommHook]
+    autocast_factory: AutocastFactory
+    scaler: torch.amp.GradScaler | None
+    answers: Mapping[str, Answer]
+
+
+def resolve(
+    mixed_precision: str, cpu: bool, kwargs_handlers: Sequence[KwargsHandler] | None
+) -> _Setup:
+    """Check the arguments, build the plugins and call every set-up hook, in the documented
+    order (docs/architecture.md, "Life of an Accelerator").
+
+    Raises:
+        ValueError: ``mixed_precision`` is not one of :data:`MIXED_PRECISION`; two handlers
+            share a class; a torchrun variable is malformed.
+        TypeError: ``cpu`` is not a bool; ``kwargs_handlers`` holds a non-handler.
+        RuntimeError: ``WORLD_SIZE > 1`` but no plugin initialised the process group.
+        kwplug.errors.PluginConflictError: two third-party default plugins claim a
+            one-answer hook for this device.
+    """
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(
+            f"mixed_precision must be one of {', '.join(map(repr, MIXED_PRECISION))}, "
+            f"got {mixed_precision!r}"
+        )
+    if not isinstance(cpu, bool):
+        raise TypeError(f"cpu must be a bool, got {type(cpu).__name__}")
+    handlers = require_handler_list(kwargs_handlers)
+    plugins = KwplugPluginManager.for_handlers(handlers, discover())
+
+    info = ProcessInfo.current()
+    device = select_device(cpu, info.local_rank)
+    plugins.check_conflicts(device.type)
+    comm_hooks = _collect_comm_hooks(plugins)
+    plugins.call_each(
+        "validate_setup",
+        device_type=device.type,
+        world_size=info.world_size,
+        mixed_precision=mixed_precision,
+        comm_hooks=comm_hooks,
+    )
+    if info.world_size > 1 and not dist.is_initialized():
+        info = _init_process_group(plugins, info, device.type)
+    if info.world_size > 1:
+        _destroy_process_group_at_exit()
+
+    autocast_factory: AutocastFactory = (
+        plugins.call_first(
+            "autocast", device_type=device.type, mixed_precision=mixed_precision
+        ).result
+        or contextlib.nullcontext
+    )
+    scaler: torch.amp.GradScaler | None = plugins.call_first(
+        "make_scaler", device_type=device.type, mixed_precision=mixed_precision
+    ).result
+    logger.debug(
+        "Accelerator on %s, rank %d/%d, mixed_precision=%s, plugins: %s",
+        device,
+        info.rank,
+        info.world_size,
+        mixed_precision,
+        plugins.descriptions(),
+    )
+    return _Setup(
+        mixed_precision=mixed_precision,
+        handlers=handlers,
+        plugins=plugins,
+        process=info,
+        device=device,
+        comm_hooks=comm_hooks,
+        autocast_factory=autocast_factory,
+        scaler=scaler,
+        answers=dict(plugins.plan),
+    )
+
+
+def _collect_comm_hooks(plugins: KwplugPluginManager) -> dict[str, CommHook]:
+    # Answer by answer, so that a duplicate name can be blamed on the plugin that gave it.
+    answers = plugins.call_each("comm_hooks")
+    return merge_comm_hooks([(plugins.describe(name), answer) for name, answer in answers])
+
+
+def _init_process_group(
+    plugins: KwplugPluginManager, info: ProcessInfo, device_type: str
+) -> ProcessInfo:
+    done = plugins.call_first(
+        "init_process_group",
+        device_type=device_type,
+        world_size=info.world_size,
+        rank=info.rank,
+        local_rank=info.local_rank,
+    ).result
+    if not done or not dist.is_initialized():
+        raise RuntimeError(
+            f"WORLD_SIZE={info.world_size} but no plugin initialised the process group "
+            "(the built-in InitProcessGroupKwargs plugin may be blocked)"
+        )
+    return ProcessInfo.current()
+
+
+@functools.cache
+def _destroy_process_group_at_exit() -> None:
+    # Once per process. atexit runs before interpreter teardown frees gloo's objects in an
+    # arbitrary order; a no-op when end_training() already destroyed the group.
+    atexit.register(end_process_group)
