@@ -65,12 +65,19 @@ def test_accelerate_reference(name: str, nproc: int, runs: Runs) -> None:
         assert all(r["world_size"] == nproc for r in run.records)
         epochs = [r["epochs"] for r in run.records]
         assert len({len(e) for e in epochs}) == 1, "ranks saw different numbers of epochs"
+        alone_epochs = alone.records[0]["epochs"]
+        known = {i for epoch in alone_epochs for batch in epoch["train_ids"] for i in batch}
         for number, per_rank in enumerate(zip(*epochs, strict=True)):
-            seen = {i for epoch in per_rank for batch in epoch["train_ids"] for i in batch}
-            expected = {i for b in alone.records[0]["epochs"][number]["train_ids"] for i in b}
-            assert seen == expected, f"epoch {number}: ranks' batches do not cover the split"
+            batches = [batch for epoch in per_rank for batch in epoch["train_ids"]]
+            seen = {i for batch in batches for i in batch}
+            assert seen <= known, f"epoch {number}: samples from outside the training split"
+            if scenario.full_epochs:
+                # A dropped last batch may drop different samples than one process does.
+                expected = {i for batch in alone_epochs[number]["train_ids"] for i in batch}
+                slack = nproc * max(map(len, batches))
+                assert len(seen) >= len(expected) - slack, f"epoch {number}: split not covered"
             gathered = {epoch["eval_gathered"] for epoch in per_rank}
-            assert gathered == {alone.records[0]["epochs"][number]["eval_gathered"]}
+            assert gathered == {alone_epochs[number]["eval_gathered"]}, f"epoch {number}"
         assert run.records[0]["weights_sha256"], "no model recorded"
 
 

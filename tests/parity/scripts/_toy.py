@@ -146,29 +146,39 @@ class DigitsClassifier(nn.Module):
 
 
 class Accuracy:
-    """``evaluate.load("accuracy")`` in miniature: ``add_batch`` then ``compute`` (which resets)."""
+    """``evaluate.load("glue", "mrpc")`` in miniature: ``add_batch`` then ``compute`` (which
+    resets), giving accuracy and F1 (macro-averaged over the 10 digits; MRPC's is binary)."""
 
     def __init__(self) -> None:
-        self.correct = 0
-        self.total = 0
+        self.predictions: list[torch.Tensor] = []
+        self.references: list[torch.Tensor] = []
 
     def add_batch(self, predictions: torch.Tensor, references: torch.Tensor) -> None:
-        """Count ``predictions == references`` (1-D tensors of the same length)."""
-        self.correct += int((predictions == references).sum())
-        self.total += int(references.numel())
+        """Add a batch of labels (1-D tensors of the same length)."""
+        self.predictions.append(predictions.reshape(-1).cpu())
+        self.references.append(references.reshape(-1).cpu())
         _record.metric_added(int(references.numel()))
 
     def compute(
         self, predictions: torch.Tensor | None = None, references: torch.Tensor | None = None
     ) -> dict[str, float]:
-        """``{"accuracy": correct / total}`` over the batches added since the last call, after
-        adding ``predictions``/``references`` when given (``evaluate``'s one-shot form)."""
+        """``{"accuracy", "f1"}`` over the batches added since the last call, after adding
+        ``predictions``/``references`` when given (``evaluate``'s one-shot form)."""
         if predictions is not None and references is not None:
             self.add_batch(predictions=predictions, references=references)
-        accuracy = self.correct / max(self.total, 1)
+        preds = (
+            torch.cat(self.predictions) if self.predictions else torch.zeros(0, dtype=torch.long)
+        )
+        refs = torch.cat(self.references) if self.references else torch.zeros(0, dtype=torch.long)
+        self.predictions, self.references = [], []
+        accuracy = float((preds == refs).float().mean()) if len(refs) else 0.0
+        labels = torch.arange(NUM_LABELS)
+        true_pos = ((preds[:, None] == labels) & (refs[:, None] == labels)).sum(0)
+        predicted = (preds[:, None] == labels).sum(0)
+        actual = (refs[:, None] == labels).sum(0)
+        f1 = (2 * true_pos / (predicted + actual).clamp(min=1)).mean()
         _record.metric_computed(accuracy)
-        self.correct = self.total = 0
-        return {"accuracy": accuracy}
+        return {"accuracy": accuracy, "f1": float(f1)}
 
 
 def linear_schedule_with_warmup(
