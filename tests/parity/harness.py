@@ -131,14 +131,17 @@ class Run:
     records: list[dict[str, Any]]
 
     def failure(self) -> str | None:
-        """Why the run counts as failed (with the output's tail), or None."""
+        """Why the run counts as failed, with the script's first traceback (torchrun's own
+        report comes last and hides it) and the output's tail; None when it succeeded."""
         if self.returncode != 0:
             why = f"exit status {self.returncode}"
         elif not self.records:
             why = "no record written"
         else:
             return None
-        return f"{why}: {' '.join(self.command)}\n--- output tail ---\n{self.output[-6000:]}"
+        start = self.output.find("Traceback (most recent call last)")
+        first = f"--- first traceback ---\n{self.output[start:][:4000]}\n" if start >= 0 else ""
+        return f"{why}: {' '.join(self.command)}\n{first}--- output tail ---\n{self.output[-3000:]}"
 
 
 def script_for(scenario: Scenario, system: System, folder: Path) -> Path:

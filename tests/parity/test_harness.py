@@ -70,7 +70,16 @@ def test_compare_reports_batches_counts_and_weights() -> None:
     assert harness.compare(_run([[1]]), _run([[1]], "v"), weights=False) == []
 
 
-def test_failed_run_reports_output_tail() -> None:
-    failed = Run(["python", "x.py"], 1, "Traceback ...\nImportError: kwplug.utils", [])
-    assert "ImportError: kwplug.utils" in (failed.failure() or "")
-    assert Run(["python"], 0, "", []).failure() is not None
+def test_failed_run_reports_first_traceback_and_tail() -> None:
+    output = (
+        "Traceback (most recent call last):\nImportError: kwplug.utils\n"
+        + "torchrun noise\n" * 1000
+        + "ChildFailedError"
+    )
+    report = Run(["python", "x.py"], 1, output, []).failure() or ""
+    assert "ImportError: kwplug.utils" in report
+    assert report.endswith("ChildFailedError")
+    assert Run(["python"], 0, "", []).failure() == (
+        "no record written: python\n--- output tail ---\n"
+    )
+    assert _run([[1]]).failure() is None
