@@ -53,8 +53,8 @@ def _succeeded(runs: list[Run], count: int) -> None:
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_accelerate_reference(name: str, nproc: int, runs: Runs) -> None:
     """Under Accelerate the port runs, every rank records, the ranks' training batches cover
-    the training split each epoch, and the metric sees each evaluation sample exactly once
-    (the same count as one process)."""
+    the training split each epoch, the metric sees each evaluation sample exactly once (the
+    same count as one process), and the ranks end with the same weights."""
     scenario = SCENARIOS[name]
     done = runs.get(name, "accelerate", nproc)
     _succeeded(done, len(scenario.runs))
@@ -81,6 +81,8 @@ def test_accelerate_reference(name: str, nproc: int, runs: Runs) -> None:
             assert len(gathered) == 1, f"epoch {number}: ranks' metrics got {gathered} samples"
             assert gathered <= {e["eval_gathered"] for e in alone_epochs}, f"epoch {number}"
         assert run.records[0]["weights_sha256"], "no model recorded"
+        # Data parallel training leaves every rank with the same weights.
+        assert len({tuple(r["weights_sha256"]) for r in run.records}) == 1, "ranks' weights differ"
 
 
 @pytest.mark.parametrize("nproc", PROCESSES)
