@@ -171,7 +171,7 @@ class Accuracy:
         )
         refs = torch.cat(self.references) if self.references else torch.zeros(0, dtype=torch.long)
         self.predictions, self.references = [], []
-        accuracy = float((preds == refs).float().mean()) if len(refs) else 0.0
+        accuracy = int((preds == refs).sum()) / max(len(refs), 1)
         labels = torch.arange(NUM_LABELS)
         true_pos = ((preds[:, None] == labels) & (refs[:, None] == labels)).sum(0)
         predicted = (preds[:, None] == labels).sum(0)
