@@ -6,6 +6,7 @@ import re
 
 import harness
 import pytest
+import torch
 from harness import Run
 
 
@@ -83,3 +84,21 @@ def test_failed_run_reports_first_traceback_and_tail() -> None:
         "no record written: python\n--- output tail ---\n"
     )
     assert _run([[1]]).failure() is None
+
+
+def test_toy_digits_are_scikit_learns(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sklearn.datasets import load_digits
+
+    monkeypatch.syspath_prepend(str(harness.SCRIPTS))
+    import _toy
+
+    digits = load_digits()
+    splits = _toy.load_digits_splits()
+    train, validation = splits["train"], splits["validation"]
+    assert (len(train), len(validation)) == (1000, 297)
+    assert torch.equal(train.features, torch.tensor(digits.data[:1000], dtype=torch.float32) / 16)
+    assert torch.equal(validation["label"], torch.tensor(digits.target[1000:1297]))
+    assert validation[0]["idx"] == 1000
+    subset = train.select([5, 2])
+    assert [subset[i]["idx"] for i in range(2)] == [5, 2]
+    assert subset.num_rows == 2

@@ -10,19 +10,21 @@ and the metric report to :mod:`_record`, so a script's Accelerator calls stay un
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NamedTuple, overload
 
 import _record
+import numpy as np
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import Dataset
 
-#: Samples in the training split; the rest of the 1797 digits are the validation split.
-#: Neither size is a multiple of the scripts' batch sizes, so sharding has to even out.
+#: The first 1000 of the 1797 digits are the training split, the next 297 the validation split
+#: (neither a multiple of the scripts' batch sizes, so sharding has to even them out).
 TRAIN_SIZE = 1000
 VALIDATION_SIZE = 297
 NUM_LABELS = 10
@@ -66,11 +68,20 @@ class DigitsSplit(Dataset[dict[str, Any]]):
         return DigitsSplit(self.ids[index], self.features[index], self.labels[index])
 
 
+def digits_path() -> Path:
+    """The digits file scikit-learn ships (``sklearn.datasets.load_digits`` reads it), found
+    without importing scikit-learn: the import costs each run more than the training does."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the parity scripts need scikit-learn's bundled digits")
+    return Path(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+
+
 def load_digits_splits() -> dict[str, DigitsSplit]:
     """``{"train", "validation"}`` splits (1000 and 297 samples), features scaled to [0, 1]."""
-    data = load_digits()
-    features = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    labels = torch.tensor(data.target, dtype=torch.long)
+    data = torch.from_numpy(np.loadtxt(digits_path(), delimiter=","))
+    features = data[:, :-1].float() / 16.0
+    labels = data[:, -1].long()
     ids = torch.arange(len(labels))
     end = TRAIN_SIZE + VALIDATION_SIZE
     return {
