@@ -51,7 +51,9 @@ EVAL_BATCH_SIZE = 32
 
 def training_function(config, args):
     # Initialize accelerator
-    dataloader_config = DataLoaderConfiguration(use_stateful_dataloader=args.use_stateful_dataloader)
+    dataloader_config = DataLoaderConfiguration(
+        use_stateful_dataloader=args.use_stateful_dataloader
+    )
     if args.with_tracking:
         accelerator = Accelerator(
             cpu=args.cpu,
@@ -90,12 +92,10 @@ def training_function(config, args):
     datasets = load_digits_splits()
     metric = Accuracy()
 
-
     # Apply the method we just defined to all the examples in all the splits of the dataset
     # starting with the main process first:
     with accelerator.main_process_first():
         tokenized_datasets = datasets
-
 
     # If the batch size is too big we use gradient accumulation
     gradient_accumulation_steps = 1
@@ -121,7 +121,10 @@ def training_function(config, args):
         tokenized_datasets["train"], shuffle=True, collate_fn=collate_fn, batch_size=batch_size
     )
     eval_dataloader = DataLoader(
-        tokenized_datasets["validation"], shuffle=False, collate_fn=collate_fn, batch_size=EVAL_BATCH_SIZE
+        tokenized_datasets["validation"],
+        shuffle=False,
+        collate_fn=collate_fn,
+        batch_size=EVAL_BATCH_SIZE,
     )
 
     set_seed(seed)

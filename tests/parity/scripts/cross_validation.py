@@ -62,7 +62,11 @@ EVAL_BATCH_SIZE = 32
 
 
 def get_fold_dataloaders(
-    accelerator: Accelerator, dataset: dict, train_idxs: list[int], valid_idxs: list[int], batch_size: int = 16
+    accelerator: Accelerator,
+    dataset: dict,
+    train_idxs: list[int],
+    valid_idxs: list[int],
+    batch_size: int = 16,
 ):
     """
     Gets a set of train, valid, and test dataloaders for a particular fold
@@ -85,12 +89,10 @@ def get_fold_dataloaders(
         }
     )
 
-
     # Apply the method we just defined to all the examples in all the splits of the dataset
     # starting with the main process first:
     with accelerator.main_process_first():
         tokenized_datasets = datasets
-
 
     def collate_fn(examples):
         # On TPU it's best to pad everything to the same length or training will be very slow.
@@ -110,7 +112,10 @@ def get_fold_dataloaders(
         tokenized_datasets["train"], shuffle=True, collate_fn=collate_fn, batch_size=batch_size
     )
     eval_dataloader = DataLoader(
-        tokenized_datasets["validation"], shuffle=False, collate_fn=collate_fn, batch_size=EVAL_BATCH_SIZE
+        tokenized_datasets["validation"],
+        shuffle=False,
+        collate_fn=collate_fn,
+        batch_size=EVAL_BATCH_SIZE,
     )
 
     test_dataloader = DataLoader(
@@ -204,7 +209,9 @@ def training_function(config, args):
                 with torch.no_grad():
                     outputs = model(**batch)
                 predictions = outputs.logits.argmax(dim=-1)
-                predictions, references = accelerator.gather_for_metrics((predictions, batch["labels"]))
+                predictions, references = accelerator.gather_for_metrics(
+                    (predictions, batch["labels"])
+                )
                 metric.add_batch(
                     predictions=predictions,
                     references=references,
@@ -254,7 +261,12 @@ def main():
     )
     parser.add_argument("--cpu", action="store_true", help="If passed, will train on the CPU.")
     # New Code #
-    parser.add_argument("--num_folds", type=int, default=3, help="The number of splits to perform across the dataset")
+    parser.add_argument(
+        "--num_folds",
+        type=int,
+        default=3,
+        help="The number of splits to perform across the dataset",
+    )
     args = parser.parse_args()
     config = {"lr": 3e-3, "num_epochs": 3, "seed": 42, "batch_size": 16}
     training_function(config, args)

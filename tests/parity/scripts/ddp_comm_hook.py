@@ -60,12 +60,10 @@ def get_dataloaders(accelerator: Accelerator, batch_size: int = 16):
     """
     datasets = load_digits_splits()
 
-
     # Apply the method we just defined to all the examples in all the splits of the dataset
     # starting with the main process first:
     with accelerator.main_process_first():
         tokenized_datasets = datasets
-
 
     def collate_fn(examples):
         # On TPU it's best to pad everything to the same length or training will be very slow.
@@ -85,20 +83,26 @@ def get_dataloaders(accelerator: Accelerator, batch_size: int = 16):
         tokenized_datasets["train"], shuffle=True, collate_fn=collate_fn, batch_size=batch_size
     )
     eval_dataloader = DataLoader(
-        tokenized_datasets["validation"], shuffle=False, collate_fn=collate_fn, batch_size=EVAL_BATCH_SIZE
+        tokenized_datasets["validation"],
+        shuffle=False,
+        collate_fn=collate_fn,
+        batch_size=EVAL_BATCH_SIZE,
     )
 
     return train_dataloader, eval_dataloader
-
 
 
 def training_function(config, args):
     # New Code #
     ddp_comm_hook_type = DDPCommunicationHookType(args.ddp_comm_hook)
     ddp_comm_wrapper = DDPCommunicationHookType(args.ddp_comm_wrapper)
-    ddp_kwargs = DistributedDataParallelKwargs(comm_hook=ddp_comm_hook_type, comm_wrapper=ddp_comm_wrapper)
+    ddp_kwargs = DistributedDataParallelKwargs(
+        comm_hook=ddp_comm_hook_type, comm_wrapper=ddp_comm_wrapper
+    )
     # Initialize accelerator
-    accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision, kwargs_handlers=[ddp_kwargs])
+    accelerator = Accelerator(
+        cpu=args.cpu, mixed_precision=args.mixed_precision, kwargs_handlers=[ddp_kwargs]
+    )
     # Sample hyper-parameters for learning rate, batch size, seed and a few other HPs
     lr = config["lr"]
     num_epochs = int(config["num_epochs"])

@@ -63,12 +63,10 @@ def get_dataloaders(accelerator: Accelerator, batch_size: int = 16):
     """
     datasets = load_digits_splits()
 
-
     # Apply the method we just defined to all the examples in all the splits of the dataset
     # starting with the main process first:
     with accelerator.main_process_first():
         tokenized_datasets = datasets
-
 
     def collate_fn(examples):
         # On TPU it's best to pad everything to the same length or training will be very slow.
@@ -88,11 +86,13 @@ def get_dataloaders(accelerator: Accelerator, batch_size: int = 16):
         tokenized_datasets["train"], shuffle=True, collate_fn=collate_fn, batch_size=batch_size
     )
     eval_dataloader = DataLoader(
-        tokenized_datasets["validation"], shuffle=False, collate_fn=collate_fn, batch_size=EVAL_BATCH_SIZE
+        tokenized_datasets["validation"],
+        shuffle=False,
+        collate_fn=collate_fn,
+        batch_size=EVAL_BATCH_SIZE,
     )
 
     return train_dataloader, eval_dataloader
-
 
 
 def training_function(config, args):
@@ -101,7 +101,9 @@ def training_function(config, args):
     local_sgd_steps = int(args.local_sgd_steps)
     # Initialize accelerator
     accelerator = Accelerator(
-        cpu=args.cpu, mixed_precision=args.mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps
+        cpu=args.cpu,
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=gradient_accumulation_steps,
     )
     # Sample hyper-parameters for learning rate, batch size, seed and a few other HPs
     lr = config["lr"]
@@ -142,7 +144,10 @@ def training_function(config, args):
     for epoch in range(num_epochs):
         model.train()
         with LocalSGD(
-            accelerator=accelerator, model=model, local_sgd_steps=local_sgd_steps, enabled=local_sgd_steps is not None
+            accelerator=accelerator,
+            model=model,
+            local_sgd_steps=local_sgd_steps,
+            enabled=local_sgd_steps is not None,
         ) as local_sgd:
             for step, batch in enumerate(train_dataloader):
                 # We could avoid this line since we set the accelerator with `device_placement=True`.
@@ -198,7 +203,10 @@ def main():
         help="The number of minibatches to be ran before gradients are accumulated.",
     )
     parser.add_argument(
-        "--local_sgd_steps", type=int, default=8, help="Number of local SGD steps or None to disable local SGD"
+        "--local_sgd_steps",
+        type=int,
+        default=8,
+        help="Number of local SGD steps or None to disable local SGD",
     )
     parser.add_argument("--cpu", action="store_true", help="If passed, will train on the CPU.")
     args = parser.parse_args()

@@ -65,12 +65,10 @@ def get_dataloaders(accelerator: Accelerator, batch_size: int = 16):
     """
     datasets = load_digits_splits()
 
-
     # Apply the method we just defined to all the examples in all the splits of the dataset
     # starting with the main process first:
     with accelerator.main_process_first():
         tokenized_datasets = datasets
-
 
     def collate_fn(examples):
         # On TPU it's best to pad everything to the same length or training will be very slow.
@@ -90,11 +88,13 @@ def get_dataloaders(accelerator: Accelerator, batch_size: int = 16):
         tokenized_datasets["train"], shuffle=True, collate_fn=collate_fn, batch_size=batch_size
     )
     eval_dataloader = DataLoader(
-        tokenized_datasets["validation"], shuffle=False, collate_fn=collate_fn, batch_size=EVAL_BATCH_SIZE
+        tokenized_datasets["validation"],
+        shuffle=False,
+        collate_fn=collate_fn,
+        batch_size=EVAL_BATCH_SIZE,
     )
 
     return train_dataloader, eval_dataloader
-
 
 
 def training_function(config, args):
@@ -169,7 +169,9 @@ def training_function(config, args):
                 with torch.no_grad():
                     outputs = model(**batch)
                 predictions = outputs.logits.argmax(dim=-1)
-                predictions, references = accelerator.gather_for_metrics((predictions, batch["labels"]))
+                predictions, references = accelerator.gather_for_metrics(
+                    (predictions, batch["labels"])
+                )
                 metric.add_batch(
                     predictions=predictions,
                     references=references,

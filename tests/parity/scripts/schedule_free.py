@@ -66,12 +66,10 @@ def get_dataloaders(accelerator: Accelerator, batch_size: int = 16):
     """
     datasets = load_digits_splits()
 
-
     # Apply the method we just defined to all the examples in all the splits of the dataset
     # starting with the main process first:
     with accelerator.main_process_first():
         tokenized_datasets = datasets
-
 
     def collate_fn(examples):
         # For Torchxla, it's best to pad everything to the same length or training will be very slow.
@@ -88,7 +86,11 @@ def get_dataloaders(accelerator: Accelerator, batch_size: int = 16):
 
     # Instantiate dataloaders.
     train_dataloader = DataLoader(
-        tokenized_datasets["train"], shuffle=True, collate_fn=collate_fn, batch_size=batch_size, drop_last=True
+        tokenized_datasets["train"],
+        shuffle=True,
+        collate_fn=collate_fn,
+        batch_size=batch_size,
+        drop_last=True,
     )
     eval_dataloader = DataLoader(
         tokenized_datasets["validation"],
