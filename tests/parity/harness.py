@@ -161,13 +161,19 @@ def script_for(scenario: Scenario, system: System, folder: Path) -> Path:
 
 
 def run_scenario(
-    scenario: Scenario, system: System, nproc: int, work: Path, timeout: float = RUN_TIMEOUT
+    scenario: Scenario,
+    system: System,
+    nproc: int,
+    work: Path,
+    timeout: float = RUN_TIMEOUT,
+    pythonpath: Sequence[Path] = (),
 ) -> list[Run]:
     """Run every step of ``scenario`` under ``system`` in ``nproc`` processes, in ``work``.
 
     One process runs the script with plain ``python``; more run it under torchrun (gloo on
     127.0.0.1, one thread per process). A run that times out has its process tree killed and
-    counts as failed (exit status -9); later steps are not run after a failure.
+    counts as failed (exit status -9); later steps are not run after a failure. Folders in
+    ``pythonpath`` come first on the scripts' import path.
     """
     work.mkdir(parents=True, exist_ok=True)
     script = script_for(scenario, system, work / "script")
@@ -176,7 +182,7 @@ def run_scenario(
             **scenario.env,
             # The renamed copy lives in ``work``; the helpers it imports stay in scripts/.
             "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")])
+                filter(None, [*map(str, pythonpath), str(SCRIPTS), os.environ.get("PYTHONPATH")])
             ),
             "ACCELERATE_USE_CPU": "1",
         }

@@ -108,3 +108,25 @@ def test_kwplug_matches_accelerate(
     for step, (ref, cand) in enumerate(zip(reference, candidate, strict=True)):
         problems = harness.compare(ref, cand, weights=weights)
         assert not problems, f"run {step}:\n" + "\n".join(problems[:20])
+
+
+def test_an_exact_alias_of_accelerate_passes(runs: Runs, tmp_path: Path) -> None:
+    """The harness end to end, on a control: a ``kwplug`` package that only re-exports
+    Accelerate must give identical records and weights, so a kwplug failure means kwplug."""
+    alias = tmp_path / "alias" / "kwplug"
+    alias.mkdir(parents=True)
+    for module, source in (
+        ("__init__", "accelerate"),
+        ("utils", "accelerate.utils"),
+        ("local_sgd", "accelerate.local_sgd"),
+    ):
+        (alias / f"{module}.py").write_text(f"from {source} import *  # noqa: F403\n")
+    name = "gradient_accumulation"
+    reference = runs.get(name, "accelerate", 1)
+    _succeeded(reference, 1)
+    scenario = SCENARIOS[name]
+    aliased = harness.run_scenario(
+        scenario, "kwplug", 1, tmp_path / "run", pythonpath=[alias.parent]
+    )
+    _succeeded(aliased, 1)  # (the installed kwplug would fail: it lacks the API)
+    assert harness.compare(reference[0], aliased[0], weights=True) == []
