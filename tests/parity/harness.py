@@ -27,7 +27,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 System = Literal["accelerate", "kwplug"]
 
 #: Seconds one run may take before its process tree is killed (``PARITY_TIMEOUT`` overrides).
-RUN_TIMEOUT = float(os.environ.get("PARITY_TIMEOUT", "300"))
+RUN_TIMEOUT = float(os.environ.get("PARITY_TIMEOUT", "180"))
 
 # ``from accelerate import ...``, ``from accelerate.utils import ...``, ``from
 # accelerate.local_sgd import ...`` and ``import accelerate`` at the start of a line (any
