@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from kwplug import checkpoint, discovery, sharded
+from kwplug import checkpoint, discovery
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
 from kwplug.conflicts import check_conflicts
-from kwplug.data import PreparedDataLoader, prepare_dataloader
+from kwplug.data import prepare_dataloader
 from kwplug.dispatch import Answer, call_each, call_first
 from kwplug.environment import ProcessInfo, end_process_group, select_device
 from kwplug.handler import KwargsHandler
@@ -400,16 +400,7 @@ class Accelerator:
         Raises:
             TypeError: an object lacks ``state_dict`` or ``load_state_dict``.
         """
-        for obj in objects:
-            if not (
-                callable(getattr(obj, "state_dict", None))
-                and callable(getattr(obj, "load_state_dict", None))
-            ):
-                raise TypeError(
-                    f"{type(obj).__qualname__} cannot be checkpointed: it needs state_dict() "
-                    "and load_state_dict()"
-                )
-            self._custom_objects.append(obj)
+        checkpoint.register_for_checkpointing(self, *objects)
 
     def save_state(self, output_dir: str | os.PathLike[str]) -> Path:
         """Save everything needed to resume training exactly, atomically.
@@ -438,43 +429,7 @@ class Accelerator:
             NotImplementedError: an optimizer steps a sharded model's parameters together
                 with parameters outside that model.
         """
-        if not os.fspath(output_dir):
-            raise ValueError("save_state needs a checkpoint directory, got an empty path")
-        directory = Path(output_dir).absolute()
-        if self.is_main_process:
-            checkpoint.prepare_staging(directory)
-        self.wait_for_everyone()
-        staging = checkpoint.staging_dir(directory)
-        # Sharded (FSDP2) models and their optimizers are gathered by collectives: every rank.
-        modules = [self.unwrap_model(m) for m in self._models]
-        full_models, full_optimizers = sharded.gather_full_states(modules, self._optimizers)
-        if self.is_main_process:
-            for i, module in enumerate(modules):
-                state = full_models[i] if i in full_models else module.state_dict()
-                checkpoint.atomic_save(state, staging / f"model_{i}.pt")
-            for i, optimizer in enumerate(self._optimizers):
-                state = full_optimizers[i] if i in full_optimizers else optimizer.state_dict()
-                checkpoint.atomic_save(state, staging / f"optimizer_{i}.pt")
-            if self.scaler is not None:
-                checkpoint.atomic_save(self.scaler.state_dict(), staging / "scaler.pt")
-            for i, obj in enumerate(self._custom_objects):
-                checkpoint.atomic_save(obj.state_dict(), staging / f"custom_{i}.pt")
-        per_rank = {
-            "world_size": self.num_processes,
-            "handlers": self._collect_handler_state(),
-            "rng": checkpoint.rng_state(self.device),
-            "dataloaders": [_loader_state(dl) for dl in self._dataloaders],
-            "comm_hooks": [
-                [checkpoint.hook_state_dict(state) for _, state in _comm_hook_states(model)]
-                for model in self._models
-            ],
-        }
-        checkpoint.atomic_save(per_rank, staging / f"rank_{self.process_index}.pt")
-        self.wait_for_everyone()
-        if self.is_main_process:
-            checkpoint.commit(directory)
-        self.wait_for_everyone()
-        return directory
+        return checkpoint.save_state(self, output_dir)
 
     def load_state(self, input_dir: str | os.PathLike[str]) -> Path:
         """Restore what :meth:`save_state` saved into the prepared objects, in place.
@@ -495,68 +450,7 @@ class Accelerator:
             NotImplementedError: (also from :meth:`save_state`) an optimizer steps a sharded
                 model's parameters together with parameters outside that model.
         """
-        if not os.fspath(input_dir):
-            raise ValueError("load_state needs a checkpoint directory, got an empty path")
-        directory = checkpoint.resolve_checkpoint(input_dir)
-        if directory is None:
-            raise FileNotFoundError(
-                f"no complete kwplug checkpoint at {os.fspath(input_dir)!r} (a directory "
-                f"with a {checkpoint.MARKER} marker)"
-            )
-        rank_file = directory / f"rank_{self.process_index}.pt"
-        if not rank_file.is_file():
-            raise ValueError(f"{directory} has no state for rank {self.process_index}")
-        per_rank = torch.load(rank_file, map_location="cpu", weights_only=False)
-        if per_rank["world_size"] != self.num_processes:
-            raise ValueError(
-                f"{directory} was saved by {per_rank['world_size']} processes, this run has "
-                f"{self.num_processes}"
-            )
-        modules = [self.unwrap_model(m) for m in self._models]
-        owners = sharded.optimizer_owners(modules, self._optimizers)
-        main = self.is_main_process
-        for i, module in enumerate(modules):
-            if sharded.is_sharded(module):  # a collective: rank 0 reads, all ranks load
-                sharded.load_full_model(module, directory / f"model_{i}.pt", is_main_process=main)
-                continue
-            state = torch.load(directory / f"model_{i}.pt", map_location=self.device)
-            module.load_state_dict(state)
-        for i, optimizer in enumerate(self._optimizers):
-            if i in owners:
-                path = directory / f"optimizer_{i}.pt"
-                sharded.load_full_optimizer(owners[i], optimizer, path, is_main_process=main)
-                continue
-            state = torch.load(directory / f"optimizer_{i}.pt", map_location=self.device)
-            optimizer.load_state_dict(state)
-        if self.scaler is not None and (directory / "scaler.pt").is_file():
-            self.scaler.load_state_dict(torch.load(directory / "scaler.pt"))
-        for i, obj in enumerate(self._custom_objects):
-            obj.load_state_dict(torch.load(directory / f"custom_{i}.pt", weights_only=False))
-        saved_loaders = per_rank["dataloaders"]
-        if len(saved_loaders) != len(self._dataloaders):
-            raise ValueError(
-                f"{directory} holds {len(saved_loaders)} data loader position(s), "
-                f"{len(self._dataloaders)} data loader(s) are prepared"
-            )
-        for loader, position in zip(self._dataloaders, saved_loaders, strict=True):
-            if position is not None and isinstance(loader, PreparedDataLoader):
-                loader.load_state_dict(position)
-        for model, saved in zip(self._models, per_rank["comm_hooks"], strict=False):
-            for (_, state), snapshot in zip(_comm_hook_states(model), saved, strict=False):
-                checkpoint.load_hook_state(state, snapshot)
-        self._restore_handler_state(per_rank.get("handlers", {}))
-        checkpoint.set_rng_state(per_rank["rng"], self.device)
-        self.wait_for_everyone()
-        return directory
-
-    def _collect_handler_state(self) -> dict[str, Any]:
-        # By registered plugin name, so that each plugin gets its own state back.
-        answers = self._call_each("handler_state")
-        return {name: state for name, state in answers if state is not None}
-
-    def _restore_handler_state(self, saved: Mapping[str, Any]) -> None:
-        for name, state in saved.items():
-            self._call_each("load_handler_state", only=name.__eq__, state=state)
+        return checkpoint.load_state(self, input_dir)
 
     def end_training(self) -> None:
         """Destroy the default process group (``torch.distributed.destroy_process_group``).
@@ -628,13 +522,3 @@ def _destroy_process_group_at_exit() -> None:
     # Once per process. atexit runs before interpreter teardown frees gloo's objects in an
     # arbitrary order; a no-op when end_training() already destroyed the group.
     atexit.register(end_process_group)
-
-
-def _loader_state(loader: DataLoader[Any]) -> dict[str, int] | None:
-    return loader.state_dict() if isinstance(loader, PreparedDataLoader) else None
-
-
-def _comm_hook_states(model: torch.nn.Module) -> list[tuple[Any, Any]]:
-    # DDP keeps (hook, state) pairs of register_comm_hook in `_comm_hooks`.
-    hooks: list[tuple[Any, Any]] = getattr(model, "_comm_hooks", None) or []
-    return list(hooks)

@@ -17,7 +17,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import kwplug
-from kwplug import DistributedDataParallelKwargs, checkpoint
+from kwplug import DistributedDataParallelKwargs
+from kwplug.checkpoint import commit
 
 
 def main() -> None:
@@ -72,12 +73,12 @@ def main() -> None:
                 if args.crash_in_save:
 
                     def crashing_save(
-                        obj: object, path: os.PathLike[str], real=checkpoint.atomic_save
+                        obj: object, path: os.PathLike[str], real=commit.atomic_save
                     ) -> None:
                         real(obj, path)
                         os._exit(17)  # die in the middle of the save, after one file
 
-                    checkpoint.atomic_save = crashing_save  # type: ignore[assignment]
+                    commit.atomic_save = crashing_save  # type: ignore[assignment]
                 accelerator.save_state(args.ckpt)
             if step == args.steps:
                 break
