@@ -419,13 +419,17 @@ class Accelerator:
         optimizer state dict (``get_optimizer_state_dict``, keyed by parameter name).
 
         Args:
-            output_dir: the checkpoint directory; an existing checkpoint there is replaced
-                only once the new one is complete.
+            output_dir: the checkpoint directory: a new version folder is written into it and
+                older versions are deleted once it is complete; nothing else there is touched.
 
         Returns:
             The checkpoint directory.
 
         Raises:
+            kwplug.checkpoint.CheckpointError: another process is saving into
+                ``output_dir`` (naming its host and pid); a write failed (disk full: the
+                unfinished version is removed, the previous one kept); state that a
+                checkpoint cannot hold (only tensors, NumPy arrays and JSON values).
             NotImplementedError: an optimizer steps a sharded model's parameters together
                 with parameters outside that model.
         """
@@ -439,14 +443,17 @@ class Accelerator:
         rank 0 and broadcast (``set_model_state_dict`` / ``set_optimizer_state_dict`` with
         ``broadcast_from_rank0=True``); each rank keeps its own shards.
 
+        Every file is verified (manifest, size, sha256, kind, shapes) before any object is
+        loaded; no file is unpickled.
+
         Returns:
-            The checkpoint directory read (``DIR.previous`` when a save was interrupted while
-            swapping checkpoints).
+            The version folder read (the newest complete one in ``input_dir``).
 
         Raises:
             FileNotFoundError: no complete checkpoint at ``input_dir``.
-            ValueError: the checkpoint was saved with a different number of processes or
-                different prepared objects.
+            kwplug.checkpoint.CheckpointError: (a ``ValueError``) a file is missing,
+                truncated, altered, not regular or not listed; the checkpoint was saved with a
+                different number of processes or different prepared objects (class, shapes).
             NotImplementedError: (also from :meth:`save_state`) an optimizer steps a sharded
                 model's parameters together with parameters outside that model.
         """

@@ -186,7 +186,8 @@ class HandlerSpec:
     def handler_state(self) -> Mapping[str, Any] | None:
         """Contribute state to checkpoints written by ``Accelerator.save_state``.
 
-        :returns: a picklable mapping (saved with ``torch.save`` on each rank), or ``None``
+        :returns: a mapping of tensors, NumPy arrays and JSON values (saved on each rank;
+            checkpoints hold no pickles, see ``kwplug.checkpoint.codec``), or ``None``
             when there is nothing to save.
 
         Called by: ``Accelerator.save_state`` on every rank; the answers are stored by the

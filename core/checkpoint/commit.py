@@ -1,8 +1,23 @@
 """The commit protocol: how a checkpoint directory is written, found and replaced.
 
-Every file is written under a temporary name, flushed, fsynced and renamed. A save into an
-existing ``DIR`` builds ``DIR.partial`` first and swaps it in only when complete (the previous
-checkpoint is kept as ``DIR.previous`` during the swap).
+A checkpoint directory ``DIR`` may hold anything else (logs, the training script): kwplug
+only ever creates, and deletes, the names of :mod:`kwplug.checkpoint.layout`. Each save is a
+new version folder ``DIR/kwplug-<n>`` (``n`` one more than any version there), committed in
+named steps, in this order (:data:`STEPS`):
+
+1. ``lock``: take ``DIR/.kwplug.lock`` (:mod:`kwplug.checkpoint.lock`).
+2. ``clean``: delete versions without a marker and trash left by killed saves.
+3. ``stage``: create ``DIR/kwplug-<n>``; every rank writes its files into it.
+4. ``manifest``: rank 0 writes ``MANIFEST.json`` (every file, its size and sha256).
+5. ``mark``: rank 0 writes ``COMPLETE`` (a temporary file renamed; the rename commits).
+6. ``prune``: every older version is renamed to ``DIR/.kwplug-trash-<m>``, then deleted.
+7. ``unlock``.
+
+The newest version with a marker is the checkpoint (:func:`resolve_checkpoint`). A kill at
+any instant of any step, any number of times in a row, leaves it loadable: a version is only
+ever deleted after a newer one has its marker, and the marker is written after all files
+and the manifest; a version being deleted is first renamed to a trash name, which is never
+read. Versions without a marker are never read either.
 """
 
 from __future__ import annotations
@@ -10,78 +25,124 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
-import torch
+from kwplug.checkpoint import codec, layout
+from kwplug.checkpoint.errors import CheckpointError
 
-from kwplug.checkpoint import layout
+STEPS = ("lock", "clean", "stage", "manifest", "mark", "prune", "unlock")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def reached(step: str) -> None:
+    """Called as each step of :data:`STEPS` begins (tests kill the process here)."""
+
+
+def fsync_dir(path: Path) -> None:
+    """Make ``path``'s entries durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save(obj)`` to ``path`` via a fsynced temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def versions(directory: Path) -> dict[int, Path]:
+    """The version folders in ``directory`` by number, complete or not."""
+    found: dict[int, Path] = {}
+    if directory.is_dir():
+        for child in directory.iterdir():
+            number = layout.version_number(child.name)
+            if number is not None and child.is_dir() and not child.is_symlink():
+                found[number] = child
+    return found
 
 
-def write_marker(directory: Path) -> None:
-    """Write the completion marker last, durably."""
-    tmp = directory / f".{layout.MARKER}.tmp"
-    with tmp.open("w") as fh:
-        fh.write("kwplug checkpoint\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, directory / layout.MARKER)
-    _fsync_dir(directory)
-
-
-def is_complete(directory: Path) -> bool:
-    """True when ``directory`` holds a finished checkpoint."""
-    return (directory / layout.MARKER).is_file()
+def is_complete(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` holds a complete checkpoint (it, or one of its versions)."""
+    return resolve_checkpoint(path) is not None
 
 
 def resolve_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint saved as ``directory``, or ``None`` when there is none.
+    """The newest complete version saved into ``directory``, or ``None`` when there is none.
 
-    Falls back to ``DIR.previous`` when a crash interrupted the swap of a new checkpoint.
+    ``directory`` may also be a version folder itself.
     """
     path = Path(directory)
-    for candidate in (path, layout.previous_dir(path)):
-        if is_complete(candidate):
-            return candidate
-    return None
+    if layout.version_number(path.name) is not None and (path / layout.MARKER).is_file():
+        return path
+    complete = [p for n, p in sorted(versions(path).items()) if (p / layout.MARKER).is_file()]
+    return complete[-1] if complete else None
 
 
-def prepare_staging(directory: Path) -> Path:
-    """Create an empty staging directory for ``directory`` (main process only)."""
-    staging = layout.staging_dir(directory)
-    if staging.exists():
-        shutil.rmtree(staging)  # left over from a crashed save
-    staging.mkdir(parents=True)
+def _owned(folder: Path) -> bool:
+    # Only a folder of kwplug's own regular files is deleted: never anything of the user's.
+    return all(
+        layout.is_own_file(child.name) and child.is_file() and not child.is_symlink()
+        for child in folder.iterdir()
+    )
+
+
+def _discard(folder: Path, number: int) -> None:
+    if not _owned(folder):
+        return  # a folder under kwplug's name holding something else: left alone
+    trash = folder.with_name(layout.trash_name(number, os.getpid()))
+    os.replace(folder, trash)  # atomic: from here on nothing reads it
+    fsync_dir(folder.parent)
+    shutil.rmtree(trash)
+
+
+def begin(directory: Path) -> Path:
+    """Steps ``clean`` and ``stage`` (the lock is held): the new, empty version folder."""
+    reached("clean")
+    for child in directory.iterdir():
+        number = layout.trash_number(child.name)
+        if number is not None and child.is_dir() and not child.is_symlink() and _owned(child):
+            shutil.rmtree(child)
+    existing = versions(directory)
+    for number, folder in existing.items():
+        if not (folder / layout.MARKER).is_file():
+            _discard(folder, number)
+    reached("stage")
+    staging = directory / layout.version_name(max(existing, default=0) + 1)
+    staging.mkdir()
+    fsync_dir(directory)
     return staging
 
 
-def commit(directory: Path) -> None:
-    """Swap the complete staging directory in as ``directory`` (main process only)."""
-    staging = layout.staging_dir(directory)
-    write_marker(staging)
-    previous = layout.previous_dir(directory)
-    if previous.exists():
-        shutil.rmtree(previous)
-    if directory.exists():
-        os.replace(directory, previous)
-    os.replace(staging, directory)
-    _fsync_dir(directory.parent)
-    if previous.exists():
-        shutil.rmtree(previous)
+def finish(staging: Path, records: dict[str, tuple[int, str]]) -> None:
+    """Steps ``manifest``, ``mark`` and ``prune`` (the lock is held)."""
+    from kwplug.checkpoint import manifest
+
+    reached("manifest")
+    manifest.write(staging, records)
+    reached("mark")
+    tmp = staging / layout.MARKER_TMP
+    codec.write_file(tmp, b"kwplug checkpoint\n")
+    os.replace(tmp, staging / layout.MARKER)
+    fsync_dir(staging)
+    fsync_dir(staging.parent)
+    reached("prune")
+    mine = layout.version_number(staging.name)
+    for number, folder in versions(staging.parent).items():
+        if mine is not None and number < mine:
+            _discard(folder, number)
+
+
+def abort(staging: Path) -> None:
+    """Remove the version folder of a failed save (nothing but kwplug's files is removed)."""
+    number = layout.version_number(staging.name)
+    if staging.is_dir() and number is not None:
+        _discard(staging, number)
+
+
+def check_directory(directory: Path) -> None:
+    """Refuse a ``directory`` that is not a directory (kwplug never replaces a file).
+
+    Raises:
+        CheckpointError: ``directory`` exists and is not a directory.
+    """
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(
+            f"cannot save a checkpoint into {directory}: it exists and is not a directory",
+            directory,
+        )
+    directory.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from kwplug.checkpoint import layout, sharded
+from kwplug.checkpoint.checks import qualified_name
 from kwplug.checkpoint.stateful import (
     RankState,
     ShardedModelState,
@@ -32,6 +33,7 @@ class Entry:
     file: str
     target: Stateful
     scope: Scope
+    kind: str  # module.Class of what is saved, stored with it (an optimizer's is checked)
     optional: bool = False  # loaded only when the file exists (the scaler: fp16 only)
 
 
@@ -48,19 +50,23 @@ def entries(accelerator: Accelerator) -> list[Entry]:
     plan: list[Entry] = []
     for i, module in enumerate(modules):
         if sharded.is_sharded(module):
-            plan.append(Entry(layout.model_file(i), ShardedModelState(module), "collective"))
+            target: Stateful = ShardedModelState(module)
+            plan.append(Entry(layout.model_file(i), target, "collective", qualified_name(module)))
         else:
-            plan.append(Entry(layout.model_file(i), module, "main"))
+            plan.append(Entry(layout.model_file(i), module, "main", qualified_name(module)))
     for i, optimizer in enumerate(acc._optimizers):
         if i in owners:
-            state = ShardedOptimizerState(owners[i], optimizer)
-            plan.append(Entry(layout.optimizer_file(i), state, "collective"))
+            target = ShardedOptimizerState(owners[i], optimizer)
+            file = layout.optimizer_file(i)
+            plan.append(Entry(file, target, "collective", qualified_name(optimizer)))
         else:
-            plan.append(Entry(layout.optimizer_file(i), optimizer, "main"))
+            file = layout.optimizer_file(i)
+            plan.append(Entry(file, optimizer, "main", qualified_name(optimizer)))
     if acc.scaler is not None:
-        plan.append(Entry(layout.SCALER, acc.scaler, "main", optional=True))
+        kind = qualified_name(acc.scaler)
+        plan.append(Entry(layout.SCALER, acc.scaler, "main", kind, optional=True))
     for i, obj in enumerate(acc._custom_objects):
-        plan.append(Entry(layout.custom_file(i), obj, "main"))
+        plan.append(Entry(layout.custom_file(i), obj, "main", qualified_name(obj)))
     rank = RankState(
         world_size=acc.num_processes,
         device=acc.device,
@@ -69,7 +75,8 @@ def entries(accelerator: Accelerator) -> list[Entry]:
         collect_handlers=lambda: collect_handler_state(acc),
         restore_handlers=lambda saved: restore_handler_state(acc, saved),
     )
-    plan.append(Entry(layout.rank_file(acc.process_index), rank, "each"))
+    file = layout.rank_file(acc.process_index)
+    plan.append(Entry(file, rank, "each", qualified_name(rank)))
     return plan
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader
 
 from kwplug.checkpoint import rng, sharded
+from kwplug.checkpoint.errors import CheckpointError
 from kwplug.data import PreparedDataLoader
 
 _ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
@@ -53,10 +55,11 @@ class Stateful(Protocol):
 
 
 def hook_state_dict(state: Any) -> Any:
-    """A picklable snapshot of a DDP communication hook's state, or ``None`` if stateless.
+    """A snapshot of a DDP communication hook's state, or ``None`` if stateless.
 
-    States with ``state_dict()`` use it; PowerSGD's state (``__getstate__``, which leaves out
-    the process group) is saved through the pickle protocol.
+    States with ``state_dict()`` use it; PowerSGD's state through ``__getstate__`` (which
+    leaves out the process group). Either must hold only what
+    :mod:`kwplug.checkpoint.codec` stores (PowerSGD's NumPy random state is).
     """
     if state is None or isinstance(state, torch.distributed.ProcessGroup):
         return None
@@ -145,18 +148,28 @@ class RankState:
             ],
         }
 
-    def check(self, state_dict: Mapping[str, Any], where: str) -> None:
-        """Raise ``ValueError`` if ``state_dict`` does not fit this run."""
+    def check(self, state_dict: Any, path: Path) -> None:
+        """Refuse a ``state_dict`` (read from ``path``) that does not fit this run.
+
+        Raises:
+            CheckpointError: saved by another number of processes, for another number of
+                data loaders, or not a per-rank state at all.
+        """
+        keys = ("world_size", "rng", "dataloaders", "comm_hooks")
+        if not isinstance(state_dict, dict) or any(k not in state_dict for k in keys):
+            raise CheckpointError(f"{path} does not hold a kwplug per-rank state", path)
         if state_dict["world_size"] != self.world_size:
-            raise ValueError(
-                f"{where} was saved by {state_dict['world_size']} processes, this run has "
-                f"{self.world_size}"
+            raise CheckpointError(
+                f"{path} was saved by {state_dict['world_size']} processes, this run has "
+                f"{self.world_size}",
+                path,
             )
         saved = state_dict["dataloaders"]
         if len(saved) != len(self.loaders):
-            raise ValueError(
-                f"{where} holds {len(saved)} data loader position(s), "
-                f"{len(self.loaders)} data loader(s) are prepared"
+            raise CheckpointError(
+                f"{path} holds {len(saved)} data loader position(s), "
+                f"{len(self.loaders)} data loader(s) are prepared",
+                path,
             )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -72,13 +72,11 @@ def main() -> None:
             if step == args.save_at:
                 if args.crash_in_save:
 
-                    def crashing_save(
-                        obj: object, path: os.PathLike[str], real=commit.atomic_save
-                    ) -> None:
-                        real(obj, path)
-                        os._exit(17)  # die in the middle of the save, after one file
+                    def crash_before_marker(step: str) -> None:
+                        if step == "mark":  # every file and the manifest are written
+                            os._exit(17)
 
-                    commit.atomic_save = crashing_save  # type: ignore[assignment]
+                    commit.reached = crash_before_marker
                 accelerator.save_state(args.ckpt)
             if step == args.steps:
                 break

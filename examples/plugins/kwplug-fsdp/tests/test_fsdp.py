@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from kwplug_fsdp import FullyShardedKwargs
 from torch import nn
 
 import kwplug
+from kwplug import checkpoint
 from kwplug.config import ConfigError
 from kwplug.testing import PluginSandbox, check_handler, run_distributed, run_script
 
@@ -389,9 +391,10 @@ def test_two_process_checkpoint_resumes_exactly(
     for rank in (rank[mixed_precision] for rank in ranks):
         assert rank["got"] == rank["expected"]
         assert rank["same_weights"]
-    # The model file is a plain, unsharded state dict: loadable without FSDP.
-    state = torch.load(directory / mixed_precision / "model_0.pt")
-    make_model().load_state_dict(state)
+    # The model file is a plain, unsharded safetensors state dict: loadable without FSDP.
+    version = checkpoint.resolve_checkpoint(directory / mixed_precision)
+    assert version is not None
+    make_model().load_state_dict(safetensors.torch.load_file(version / "model_0.safetensors"))
 
 
 def test_digits_example_with_config(kwplug_plugins: PluginSandbox) -> None:
