@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -298,3 +299,50 @@ def test_a_second_saver_is_refused_and_a_dead_ones_lock_taken_over(tmp_path: Pat
     accelerator.save_state(directory)
     assert checkpoint.resolve_checkpoint(directory) is not None
     assert manifest.read(checkpoint.resolve_checkpoint(directory) or directory)
+
+
+class Residual:
+    """A wrapper's per-rank state, e.g. a compression hook's error feedback."""
+
+    def __init__(self) -> None:
+        self.value = torch.zeros(3)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
+
+
+class Wrapped(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)  # type: ignore[no-any-return]
+
+
+@attrs.define
+class WrapperPlugin(kwplug.KwargsHandler):
+    """A third-party wrapper plugin handing its state to checkpoints as the DDP handler does."""
+
+    residual: Residual = attrs.field(factory=Residual)
+
+    @kwplug.hookimpl
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        wrapped = Wrapped(model)
+        checkpoint.attach_state(wrapped, self.residual)
+        return wrapped
+
+
+def test_a_wrapper_plugin_attaches_its_state(tmp_path: Path) -> None:
+    plugin = WrapperPlugin()
+    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[plugin])
+    model = accelerator.prepare(torch.nn.Linear(4, 3))
+    assert checkpoint.attached_states(model) == [plugin.residual]
+    plugin.residual.value += 2.5
+    accelerator.save_state(tmp_path / "ckpt")
+    plugin.residual.value.zero_()
+    accelerator.load_state(tmp_path / "ckpt")
+    assert torch.equal(plugin.residual.value, torch.full((3,), 2.5))

@@ -107,8 +107,20 @@ def load_full_optimizer(
 ) -> None:
     """Load the full optimizer state dict ``state`` (given on rank 0, ``{}`` elsewhere) into
     ``optimizer``, which steps sharded ``module`` (a collective)."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    # A stateless optimizer (plain SGD) has no tensor state, and torch's full-state-dict path
+    # then fails ("Expected device to be set"): share its groups' hyperparameters and set
+    # them as Optimizer.load_state_dict would.
+    shared: list[Any] = [state["param_groups"] if state and not state.get("state") else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(shared, src=0)
+    if shared[0] is not None:
+        groups = _torch_optimizer(optimizer).param_groups
+        for live, saved in zip(groups, shared[0], strict=True):
+            live.update({k: v for k, v in saved.items() if k != "params"})
+        return
     options = _options(broadcast_from_rank0=True)
     set_optimizer_state_dict(module, _torch_optimizer(optimizer), state, options=options)
 

@@ -119,9 +119,11 @@ def checkpoint_worker(directory: str, precisions: tuple[str, ...]) -> dict[str, 
     return {mp: checkpoint_round_trip(f"{directory}/{mp}", mp) for mp in precisions}
 
 
-def checkpoint_round_trip(directory: str, mixed_precision: str) -> dict[str, Any]:
+def checkpoint_round_trip(directory: str, case: str) -> dict[str, Any]:
     """Save after a few steps, go on; a fresh model and optimizer loaded from the checkpoint
-    must go on identically (bitwise)."""
+    must go on identically (bitwise). ``case``: the mixed precision, ``+sgd`` for a
+    stateless optimizer (plain SGD: no tensor state to shard)."""
+    mixed_precision, _, stateless = case.partition("+")
 
     def setup() -> tuple[kwplug.Accelerator, nn.Module, torch.optim.Optimizer]:
         accelerator = kwplug.Accelerator(
@@ -130,7 +132,11 @@ def checkpoint_round_trip(directory: str, mixed_precision: str) -> dict[str, Any
             kwargs_handlers=[FullyShardedKwargs(shard_modules=(nn.Linear,))],
         )
         model = make_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer: torch.optim.Optimizer = (
+            torch.optim.SGD(model.parameters(), lr=1e-2)
+            if stateless
+            else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        )
         model, optimizer = accelerator.prepare(model, optimizer)
         return accelerator, model, optimizer
 
@@ -335,7 +341,7 @@ def test_configured_by_entry_point_name() -> None:
 
 
 TRAIN_PRECISIONS = ("no", "bf16")
-CHECKPOINT_PRECISIONS = ("no", "fp16")
+CHECKPOINT_PRECISIONS = ("no", "fp16", "no+sgd")
 
 
 @pytest.fixture(scope="module")
