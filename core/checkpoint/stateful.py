@@ -49,9 +49,13 @@ def attached_states(module: torch.nn.Module) -> list[Any]:
 class Stateful(Protocol):
     """torch's ``Stateful`` protocol, restated for type checking."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """What to save."""
+        ...
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        ...
 
 
 def hook_state_dict(state: Any) -> Any:
