@@ -140,12 +140,8 @@ def _check(path: Path, entry: plan.Entry, state: Any, meta: dict[str, str]) -> N
         checks.check_model(path, state, target.module)
     elif isinstance(target, torch.optim.Optimizer):
         checks.check_optimizer(path, state, target, meta.get("class"))
-    elif isinstance(target, ShardedOptimizerState) and meta.get("class") != entry.kind:
-        raise CheckpointError(
-            f"{path} holds the state of a {meta.get('class')}, this run's optimizer is a "
-            f"{entry.kind}",
-            path,
-        )
+    elif isinstance(target, ShardedOptimizerState):
+        checks.check_class(path, meta.get("class"), entry.kind)
     elif hasattr(target, "check"):
         target.check(state, path)
 

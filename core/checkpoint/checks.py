@@ -41,13 +41,7 @@ def check_optimizer(
     path: Path, saved: Any, optimizer: torch.optim.Optimizer, saved_class: str | None
 ) -> None:
     """``saved`` is a state dict of ``optimizer``'s class, with its groups and shapes."""
-    expected_class = qualified_name(optimizer)
-    if saved_class is not None and saved_class != expected_class:
-        raise CheckpointError(
-            f"{path} holds the state of a {saved_class}, this run's optimizer is a "
-            f"{expected_class}",
-            path,
-        )
+    check_class(path, saved_class, qualified_name(optimizer))
     groups, state = (
         (saved.get("param_groups"), saved.get("state")) if isinstance(saved, dict) else (None, None)
     )
@@ -77,6 +71,16 @@ def check_optimizer(
                     f"the parameter has {list(param.shape)}",
                     path,
                 )
+
+
+def check_class(path: Path, saved_class: str | None, expected_class: str) -> None:
+    """The optimizer state in ``path`` was saved from an ``expected_class`` optimizer."""
+    if saved_class != expected_class:
+        raise CheckpointError(
+            f"{path} holds the state of a {saved_class}, this run's optimizer is a "
+            f"{expected_class}",
+            path,
+        )
 
 
 def qualified_name(obj: Any) -> str:
