@@ -346,3 +346,33 @@ def test_a_wrapper_plugin_attaches_its_state(tmp_path: Path) -> None:
     plugin.residual.value.zero_()
     accelerator.load_state(tmp_path / "ckpt")
     assert torch.equal(plugin.residual.value, torch.full((3,), 2.5))
+
+
+def _pages(path: Path) -> int:
+    return sum(-(-p.stat().st_size // 4096) * 4096 for p in path.rglob("*") if p.is_file())
+
+
+def test_disk_full_on_a_real_small_tmpfs(tmp_path: Path) -> None:
+    accelerator, *_ = setup()
+    accelerator.save_state(tmp_path / "probe")
+    version = _pages(tmp_path / "probe") + 4096  # one version and the lock, in pages
+    mount = tmp_path / "small"
+    mount.mkdir()
+    size = version + version // 2 // 4096 * 4096  # room for one version and a half
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr!r}")
+    try:
+        accelerator.save_state(mount / "ckpt")
+        before = snapshot(mount)
+        with pytest.raises(CheckpointError, match="No space left on device") as info:
+            accelerator.save_state(mount / "ckpt")
+        assert str(mount / "ckpt") in str(info.value)
+        assert snapshot(mount) == before
+        accelerator.load_state(mount / "ckpt")
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
