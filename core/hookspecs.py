@@ -256,7 +256,8 @@ class HandlerSpec:
         """Contribute state to checkpoints written by ``Accelerator.save_state``.
 
         Returns:
-            A picklable mapping (saved with ``torch.save`` on each rank), or ``None``
+            A mapping of tensors, NumPy arrays and JSON values (saved on each rank;
+            checkpoints hold no pickles, see ``kwplug.checkpoint.codec``), or ``None``
             when there is nothing to save.
 
         Called by: ``Accelerator.save_state`` on every rank; the answers are stored by the

@@ -12,6 +12,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from kwplug import checkpoint
 from kwplug._plugins import discover
 from kwplug.comm_hooks import CommHook, HookFn
 from kwplug.handler import TO_KWARGS, KwargsHandler
@@ -335,7 +336,8 @@ class DistributedDataParallelKwargs(KwargsHandler):
             The DDP module with the communication hook registered
             (``DistributedDataParallel.register_comm_hook(state, hook)``; a PowerSGD hook
             behind :func:`~kwplug.plugins.ddp_comm_hooks.canonical_bucket_hook`, with
-            ``model.parameters()`` as the canonical order), or ``None``.
+            ``model.parameters()`` as the canonical order), or ``None``. The hook's state is
+            handed to checkpoints with :func:`kwplug.checkpoint.attach_state`.
 
         Raises:
             ValueError: unknown ``comm_hook`` name (lists the known names); ``comm_state_option``
@@ -354,4 +356,6 @@ class DistributedDataParallelKwargs(KwargsHandler):
         )
         if hook is not None:
             ddp.register_comm_hook(state, hook)
+            # Checkpoints save the hook's state (PowerSGD's error feedback) through this.
+            checkpoint.attach_state(ddp, state)
         return ddp

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import kwplug
-from kwplug import KwargsHandler, hookimpl
+from kwplug import KwargsHandler, checkpoint, hookimpl
+from kwplug.checkpoint import codec
 
 
 def test_hook_autocast() -> None:
@@ -141,7 +142,9 @@ def test_hook_handler_state(tmp_path: Any) -> None:
     handler = Counting(seen=7)
     accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
     accelerator.save_state(tmp_path / "ckpt")
-    saved = torch.load(tmp_path / "ckpt" / "rank_0.pt", weights_only=False)
+    version = checkpoint.resolve_checkpoint(tmp_path / "ckpt")
+    assert version is not None
+    saved, _ = codec.decode((version / "rank_0.safetensors").read_bytes(), version)
     assert saved["handlers"] == {"user[0]:test_hooks.Counting": {"seen": 7}}
 
 

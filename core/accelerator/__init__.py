@@ -4,10 +4,10 @@ The package keeps one concern per private module:
 
 - ``_facade``: the public :class:`Accelerator`, each method a delegation;
 - ``_setup``: resolves arguments, process, device, plugins, comm hooks, autocast factory and
-  scaler once, into a frozen object; the only module importing the plugin plumbing;
+  scaler once, into a frozen object (hooks called through the ``KwplugPluginManager``);
 - ``_prepare``: prepares models, optimizers and data loaders and keeps them;
 - ``_ops``: collectives (gather, reduce, barrier);
-- ``_checkpointing``: ``save_state`` / ``load_state``.
+- checkpoints live in their own package, :mod:`kwplug.checkpoint`.
 
 A new concern (gradient accumulation, trackers, more collectives) gets its own private module
 and a delegating method on the facade; collectives go to ``_ops``.

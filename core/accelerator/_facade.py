@@ -1,6 +1,6 @@
 """The public ``Accelerator``: each method delegates to the setup resolved at construction
 (:mod:`._setup`), the prepared-object registry (:mod:`._prepare`), the collectives
-(:mod:`._ops`) or checkpointing (:mod:`._checkpointing`)."""
+(:mod:`._ops`) or checkpointing (:mod:`kwplug.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader
 
+from kwplug import checkpoint
 from kwplug._plugins import Answer, KwplugPluginManager
-from kwplug.accelerator import _checkpointing, _ops
+from kwplug.accelerator import _ops
 from kwplug.accelerator._prepare import _Prepared, unwrap_model
 from kwplug.accelerator._setup import _Setup, resolve
 from kwplug.comm_hooks import CommHook
@@ -263,7 +264,7 @@ class Accelerator:
         with profiler as prof:
             yield prof
 
-    # -- checkpoints (kwplug.accelerator._checkpointing) --------------------------------------
+    # -- checkpoints (kwplug.checkpoint) -----------------------------------------------------
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include ``objects`` (each with ``state_dict()`` and ``load_state_dict()``, e.g. an
@@ -272,7 +273,7 @@ class Accelerator:
         Raises:
             TypeError: an object lacks ``state_dict`` or ``load_state_dict``.
         """
-        _checkpointing.register_for_checkpointing(self, *objects)
+        checkpoint.register_for_checkpointing(self, *objects)
 
     def save_state(self, output_dir: str | os.PathLike[str]) -> Path:
         """Save everything needed to resume training exactly, atomically.
@@ -291,17 +292,21 @@ class Accelerator:
         optimizer state dict (``get_optimizer_state_dict``, keyed by parameter name).
 
         Args:
-            output_dir: the checkpoint directory; an existing checkpoint there is replaced
-                only once the new one is complete.
+            output_dir: the checkpoint directory: a new version folder is written into it and
+                older versions are deleted once it is complete; nothing else there is touched.
 
         Returns:
             The checkpoint directory.
 
         Raises:
+            kwplug.checkpoint.CheckpointError: another process is saving into
+                ``output_dir`` (naming its host and pid); a write failed (disk full: the
+                unfinished version is removed, the previous one kept); state that a
+                checkpoint cannot hold (only tensors, NumPy arrays and JSON values).
             NotImplementedError: an optimizer steps a sharded model's parameters together
                 with parameters outside that model.
         """
-        return _checkpointing.save_state(self, output_dir)
+        return checkpoint.save_state(self, output_dir)
 
     def load_state(self, input_dir: str | os.PathLike[str]) -> Path:
         """Restore what :meth:`save_state` saved into the prepared objects, in place.
@@ -311,24 +316,21 @@ class Accelerator:
         rank 0 and broadcast (``set_model_state_dict`` / ``set_optimizer_state_dict`` with
         ``broadcast_from_rank0=True``); each rank keeps its own shards.
 
+        Every file is verified (manifest, size, sha256, kind, shapes) before any object is
+        loaded; no file is unpickled.
+
         Returns:
-            The checkpoint directory read (``DIR.previous`` when a save was interrupted while
-            swapping checkpoints).
+            The version folder read (the newest complete one in ``input_dir``).
 
         Raises:
             FileNotFoundError: no complete checkpoint at ``input_dir``.
-            ValueError: the checkpoint was saved with a different number of processes or
-                different prepared objects.
+            kwplug.checkpoint.CheckpointError: (a ``ValueError``) a file is missing,
+                truncated, altered, not regular or not listed; the checkpoint was saved with a
+                different number of processes or different prepared objects (class, shapes).
             NotImplementedError: (also from :meth:`save_state`) an optimizer steps a sharded
                 model's parameters together with parameters outside that model.
         """
-        return _checkpointing.load_state(self, input_dir)
-
-    def _collect_handler_state(self) -> dict[str, Any]:
-        return _checkpointing._collect_handler_state(self)
-
-    def _restore_handler_state(self, saved: Mapping[str, Any]) -> None:
-        _checkpointing._restore_handler_state(self, saved)
+        return checkpoint.load_state(self, input_dir)
 
     def end_training(self) -> None:
         """Destroy the default process group (``torch.distributed.destroy_process_group``).

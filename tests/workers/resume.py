@@ -17,7 +17,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import kwplug
-from kwplug import DistributedDataParallelKwargs, checkpoint
+from kwplug import DistributedDataParallelKwargs
+from kwplug.checkpoint import commit
 
 
 def main() -> None:
@@ -71,13 +72,11 @@ def main() -> None:
             if step == args.save_at:
                 if args.crash_in_save:
 
-                    def crashing_save(
-                        obj: object, path: os.PathLike[str], real=checkpoint.atomic_save
-                    ) -> None:
-                        real(obj, path)
-                        os._exit(17)  # die in the middle of the save, after one file
+                    def crash_before_marker(step: str) -> None:
+                        if step == "mark":  # every file and the manifest are written
+                            os._exit(17)
 
-                    checkpoint.atomic_save = crashing_save  # type: ignore[assignment]
+                    commit.reached = crash_before_marker
                 accelerator.save_state(args.ckpt)
             if step == args.steps:
                 break

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from kwplug_fsdp import FullyShardedKwargs
 from torch import nn
 
 import kwplug
+from kwplug import checkpoint
 from kwplug.config import ConfigError
 from kwplug.testing import PluginSandbox, check_handler, run_distributed, run_script
 
@@ -117,9 +119,11 @@ def checkpoint_worker(directory: str, precisions: tuple[str, ...]) -> dict[str, 
     return {mp: checkpoint_round_trip(f"{directory}/{mp}", mp) for mp in precisions}
 
 
-def checkpoint_round_trip(directory: str, mixed_precision: str) -> dict[str, Any]:
+def checkpoint_round_trip(directory: str, case: str) -> dict[str, Any]:
     """Save after a few steps, go on; a fresh model and optimizer loaded from the checkpoint
-    must go on identically (bitwise)."""
+    must go on identically (bitwise). ``case``: the mixed precision, ``+sgd`` for a
+    stateless optimizer (plain SGD: no tensor state to shard)."""
+    mixed_precision, _, stateless = case.partition("+")
 
     def setup() -> tuple[kwplug.Accelerator, nn.Module, torch.optim.Optimizer]:
         accelerator = kwplug.Accelerator(
@@ -128,7 +132,11 @@ def checkpoint_round_trip(directory: str, mixed_precision: str) -> dict[str, Any
             kwargs_handlers=[FullyShardedKwargs(shard_modules=(nn.Linear,))],
         )
         model = make_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer: torch.optim.Optimizer = (
+            torch.optim.SGD(model.parameters(), lr=1e-2)
+            if stateless
+            else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        )
         model, optimizer = accelerator.prepare(model, optimizer)
         return accelerator, model, optimizer
 
@@ -333,7 +341,7 @@ def test_configured_by_entry_point_name() -> None:
 
 
 TRAIN_PRECISIONS = ("no", "bf16")
-CHECKPOINT_PRECISIONS = ("no", "fp16")
+CHECKPOINT_PRECISIONS = ("no", "fp16", "no+sgd")
 
 
 @pytest.fixture(scope="module")
@@ -389,9 +397,10 @@ def test_two_process_checkpoint_resumes_exactly(
     for rank in (rank[mixed_precision] for rank in ranks):
         assert rank["got"] == rank["expected"]
         assert rank["same_weights"]
-    # The model file is a plain, unsharded state dict: loadable without FSDP.
-    state = torch.load(directory / mixed_precision / "model_0.pt")
-    make_model().load_state_dict(state)
+    # The model file is a plain, unsharded safetensors state dict: loadable without FSDP.
+    version = checkpoint.resolve_checkpoint(directory / mixed_precision)
+    assert version is not None
+    make_model().load_state_dict(safetensors.torch.load_file(version / "model_0.safetensors"))
 
 
 def test_digits_example_with_config(kwplug_plugins: PluginSandbox) -> None:

@@ -10,13 +10,15 @@ file is torch's full optimizer state dict, keyed by parameter name. Loading read
 rank 0 and broadcasts them (``set_*_state_dict(..., broadcast_from_rank0=True)``); each rank
 keeps its own shards. Every function here that gathers or broadcasts is a collective: call it
 on every rank, in the same order.
+
+``torch.distributed.checkpoint.save`` (one file per rank, resharding on load) is not used:
+its ``.metadata`` file is a pickle, and kwplug reads no pickle it did not allow-list.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,59 +67,61 @@ def optimizer_owners(
     return found
 
 
-def gather_full_states(
-    modules: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer]
-) -> tuple[dict[int, Any], dict[int, Any]]:
-    """Full state dicts of the sharded modules and of their optimizers, by index (a
-    collective; with ``cpu_offload`` only rank 0 gets the tensors, the others ``{}``).
+def _options(*, cpu_offload: bool = False, broadcast_from_rank0: bool = False) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    Raises:
-        NotImplementedError: see :func:`optimizer_owners`.
-    """
-    owners = optimizer_owners(modules, optimizers)
-    sharded = [i for i, module in enumerate(modules) if is_sharded(module)]
-    if not sharded:
-        return {}, {}
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
+    return StateDictOptions(
+        full_state_dict=True, cpu_offload=cpu_offload, broadcast_from_rank0=broadcast_from_rank0
     )
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    models = {i: get_model_state_dict(modules[i], options=options) for i in sharded}
-    states = {
-        i: get_optimizer_state_dict(module, _torch_optimizer(optimizers[i]), options=options)
-        for i, module in owners.items()
-    }
-    return models, states
+
+def full_model_state(module: torch.nn.Module) -> dict[str, Any]:
+    """The full state dict of sharded ``module`` (a collective; with ``cpu_offload`` only
+    rank 0 gets the tensors, the others ``{}``)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module, options=_options(cpu_offload=True))
 
 
-def load_full_model(module: torch.nn.Module, path: Path, *, is_main_process: bool) -> None:
-    """Load the full state dict at ``path`` (read on rank 0) into sharded ``module``."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+def full_optimizer_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The full state dict of ``optimizer``, which steps sharded ``module`` (a collective;
+    rank 0 gets it, the others ``{}``)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state = torch.load(path, map_location="cpu") if is_main_process else {}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(module, state, options=options)
+    options = _options(cpu_offload=True)
+    return dict(get_optimizer_state_dict(module, _torch_optimizer(optimizer), options=options))
+
+
+def load_full_model(module: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Load the full state dict ``state`` (given on rank 0, ``{}`` elsewhere) into sharded
+    ``module``; each rank keeps its own shards (a collective)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(module, state, options=_options(broadcast_from_rank0=True))
 
 
 def load_full_optimizer(
-    module: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    path: Path,
-    *,
-    is_main_process: bool,
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
-    """Load the full optimizer state dict at ``path`` (read on rank 0) into ``optimizer``,
-    which steps sharded ``module``."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_optimizer_state_dict,
-    )
+    """Load the full optimizer state dict ``state`` (given on rank 0, ``{}`` elsewhere) into
+    ``optimizer``, which steps sharded ``module`` (a collective)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    state = torch.load(path, map_location="cpu", weights_only=False) if is_main_process else {}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # A stateless optimizer (plain SGD) has no tensor state, and torch's full-state-dict path
+    # then fails ("Expected device to be set"): share its groups' hyperparameters and set
+    # them as Optimizer.load_state_dict would.
+    shared: list[Any] = [state["param_groups"] if state and not state.get("state") else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(shared, src=0)
+    if shared[0] is not None:
+        groups = _torch_optimizer(optimizer).param_groups
+        for live, saved in zip(groups, shared[0], strict=True):
+            live.update({k: v for k, v in saved.items() if k != "params"})
+        return
+    options = _options(broadcast_from_rank0=True)
     set_optimizer_state_dict(module, _torch_optimizer(optimizer), state, options=options)
 
 

@@ -1,0 +1,182 @@
+"""``save_state`` / ``load_state`` / ``register_for_checkpointing`` of an ``Accelerator``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kwplug.checkpoint import checks, codec, commit, layout, lock, manifest, plan
+from kwplug.checkpoint.errors import CheckpointError
+from kwplug.checkpoint.stateful import ShardedModelState, ShardedOptimizerState
+
+if TYPE_CHECKING:
+    from kwplug.accelerator import Accelerator
+
+
+def register_for_checkpointing(accelerator: Accelerator, *objects: Any) -> None:
+    """See ``Accelerator.register_for_checkpointing``."""
+    for obj in objects:
+        if not (
+            callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))
+        ):
+            raise TypeError(
+                f"{type(obj).__qualname__} cannot be checkpointed: it needs state_dict() "
+                "and load_state_dict()"
+            )
+        accelerator._custom_objects.append(obj)
+
+
+def _share(accelerator: Accelerator, value: Any) -> list[Any]:
+    # Every rank's value, so that all ranks raise together instead of hanging apart.
+    if accelerator.num_processes <= 1:
+        return [value]
+    values: list[Any] = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
+def _failed(exc: OSError | CheckpointError | TypeError, what: str) -> str:
+    if isinstance(exc, OSError):
+        return f"{what} failed: {exc.strerror or exc} ({exc.filename or what})"
+    if isinstance(exc, TypeError):
+        return f"{what} failed: {exc}"
+    return str(exc)
+
+
+def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str]) -> Path:
+    """See ``Accelerator.save_state``."""
+    acc = accelerator
+    if not os.fspath(output_dir):
+        raise ValueError("save_state needs a checkpoint directory, got an empty path")
+    directory = Path(output_dir).absolute()
+    entries = plan.entries(acc)
+    main = acc.is_main_process
+    with contextlib.ExitStack() as held:
+        staging: Path | None = None
+        error: str | None = None
+        if main:
+            try:
+                commit.check_directory(directory)
+                commit.reached("lock")
+                held.enter_context(lock.locked(directory))
+                staging = commit.begin(directory)
+            except (OSError, CheckpointError) as exc:
+                error = _failed(exc, f"saving a checkpoint into {directory}")
+        staging_name, error = _share(acc, (staging and str(staging), error))[0]
+        if error is not None:
+            raise CheckpointError(error, directory)
+        staging = Path(staging_name)
+        records: dict[str, tuple[int, str]] = {}
+        for entry in entries:
+            if entry.scope == "main" and not main:
+                continue
+            state = entry.target.state_dict()  # collective entries: on every rank
+            if error is not None or not (main or entry.scope == "each"):
+                continue
+            try:
+                data = codec.encode(state, {"class": entry.kind})
+                codec.write_file(staging / entry.file, data)
+                records[entry.file] = (len(data), codec.digest(data))
+            except (OSError, TypeError) as exc:
+                error = f"{_failed(exc, f'writing {staging / entry.file}')}"
+        shared = _share(acc, (records, error))
+        errors = [e for _, e in shared if e is not None]
+        if main:
+            try:
+                if not errors:
+                    commit.finish(staging, {k: v for r, _ in shared for k, v in r.items()})
+            except OSError as exc:
+                errors.append(_failed(exc, f"committing {staging}"))
+            if errors:
+                commit.abort(staging)
+            commit.reached("unlock")
+        errors = [e for group in _share(acc, errors) for e in group]
+    if errors:
+        raise CheckpointError(
+            f"saving a checkpoint into {directory} failed; the unfinished version was removed "
+            f"and the previous checkpoint is intact: {errors[0]}",
+            directory,
+        )
+    return directory
+
+
+def _read(acc: Accelerator, directory: Path, entries: list[plan.Entry]) -> dict[str, Any]:
+    """Verify and decode every file this rank needs: nothing is loaded yet."""
+    records = manifest.read(directory)
+    main = acc.is_main_process
+    wanted = {e.file for e in entries if e.scope != "collective" or main}
+    for name in sorted(records):
+        if not layout.is_rank_file(name) and name not in {e.file for e in entries}:
+            raise CheckpointError(
+                f"{directory / name}: this run prepared no object for it (prepare the same "
+                "models, optimizers and registered objects as the run that saved it)",
+                directory / name,
+            )
+    for entry in entries:
+        if entry.file not in records and not entry.optional:
+            raise CheckpointError(
+                f"{directory / entry.file} is missing from the checkpoint", directory / entry.file
+            )
+    names = sorted(records) if main else sorted(wanted & records.keys())
+    states: dict[str, Any] = {}
+    for name, data in manifest.verified(directory, records, names).items():
+        states[name] = codec.decode(data, directory / name)
+    for entry in entries:
+        if entry.file in states:
+            _check(directory / entry.file, entry, *states[entry.file])
+    return {e.file: states[e.file][0] for e in entries if e.file in states and e.file in wanted}
+
+
+def _check(path: Path, entry: plan.Entry, state: Any, meta: dict[str, str]) -> None:
+    target = entry.target
+    if isinstance(target, torch.nn.Module):
+        checks.check_model(path, state, target)
+    elif isinstance(target, ShardedModelState):
+        checks.check_model(path, state, target.module)
+    elif isinstance(target, torch.optim.Optimizer):
+        checks.check_optimizer(path, state, target, meta.get("class"))
+    elif isinstance(target, ShardedOptimizerState):
+        checks.check_class(path, meta.get("class"), entry.kind)
+    elif hasattr(target, "check"):
+        target.check(state, path)
+
+
+def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str]) -> Path:
+    """See ``Accelerator.load_state``."""
+    acc = accelerator
+    if not os.fspath(input_dir):
+        raise ValueError("load_state needs a checkpoint directory, got an empty path")
+    directory = commit.resolve_checkpoint(input_dir)
+    if directory is None:
+        old = (Path(input_dir) / layout.MARKER).is_file()
+        raise FileNotFoundError(
+            f"no complete kwplug checkpoint at {os.fspath(input_dir)!r} (a {layout.FORMAT} "
+            f"version folder with a {layout.MARKER} marker)"
+            + (
+                ": it holds an older kwplug checkpoint of pickle files, which kwplug no "
+                "longer loads"
+                if old
+                else ""
+            )
+        )
+    entries = plan.entries(acc)
+    error: CheckpointError | None = None
+    try:
+        states = _read(acc, directory, entries)
+    except CheckpointError as exc:
+        error = exc
+    others = [e for e in _share(acc, None if error is None else str(error)) if e is not None]
+    if error is not None:
+        raise error
+    if others:
+        raise CheckpointError(f"another rank refused {directory}: {others[0]}", directory)
+    for entry in entries:  # verified on every rank: from here on, load
+        if entry.file in states or entry.scope == "collective":
+            entry.target.load_state_dict(states.get(entry.file, {}))
+    acc.wait_for_everyone()
+    return directory

@@ -1,0 +1,148 @@
+"""The commit protocol: how a checkpoint directory is written, found and replaced.
+
+A checkpoint directory ``DIR`` may hold anything else (logs, the training script): kwplug
+only ever creates, and deletes, the names of :mod:`kwplug.checkpoint.layout`. Each save is a
+new version folder ``DIR/kwplug-<n>`` (``n`` one more than any version there), committed in
+named steps, in this order (:data:`STEPS`):
+
+1. ``lock``: take ``DIR/.kwplug.lock`` (:mod:`kwplug.checkpoint.lock`).
+2. ``clean``: delete versions without a marker and trash left by killed saves.
+3. ``stage``: create ``DIR/kwplug-<n>``; every rank writes its files into it.
+4. ``manifest``: rank 0 writes ``MANIFEST.json`` (every file, its size and sha256).
+5. ``mark``: rank 0 writes ``COMPLETE`` (a temporary file renamed; the rename commits).
+6. ``prune``: every older version is renamed to ``DIR/.kwplug-trash-<m>``, then deleted.
+7. ``unlock``.
+
+The newest version with a marker is the checkpoint (:func:`resolve_checkpoint`). A kill at
+any instant of any step, any number of times in a row, leaves it loadable: a version is only
+ever deleted after a newer one has its marker, and the marker is written after all files
+and the manifest; a version being deleted is first renamed to a trash name, which is never
+read. Versions without a marker are never read either.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from kwplug.checkpoint import codec, layout
+from kwplug.checkpoint.errors import CheckpointError
+
+STEPS = ("lock", "clean", "stage", "manifest", "mark", "prune", "unlock")
+
+
+def reached(step: str) -> None:
+    """Called as each step of :data:`STEPS` begins (tests kill the process here)."""
+
+
+def fsync_dir(path: Path) -> None:
+    """Make ``path``'s entries durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def versions(directory: Path) -> dict[int, Path]:
+    """The version folders in ``directory`` by number, complete or not."""
+    found: dict[int, Path] = {}
+    if directory.is_dir():
+        for child in directory.iterdir():
+            number = layout.version_number(child.name)
+            if number is not None and child.is_dir() and not child.is_symlink():
+                found[number] = child
+    return found
+
+
+def is_complete(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` holds a complete checkpoint (it, or one of its versions)."""
+    return resolve_checkpoint(path) is not None
+
+
+def resolve_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest complete version saved into ``directory``, or ``None`` when there is none.
+
+    ``directory`` may also be a version folder itself.
+    """
+    path = Path(directory)
+    if layout.version_number(path.name) is not None and (path / layout.MARKER).is_file():
+        return path
+    complete = [p for n, p in sorted(versions(path).items()) if (p / layout.MARKER).is_file()]
+    return complete[-1] if complete else None
+
+
+def _owned(folder: Path) -> bool:
+    # Only a folder of kwplug's own regular files is deleted: never anything of the user's.
+    return all(
+        layout.is_own_file(child.name) and child.is_file() and not child.is_symlink()
+        for child in folder.iterdir()
+    )
+
+
+def _discard(folder: Path, number: int) -> None:
+    if not _owned(folder):
+        return  # a folder under kwplug's name holding something else: left alone
+    trash = folder.with_name(layout.trash_name(number, os.getpid()))
+    os.replace(folder, trash)  # atomic: from here on nothing reads it
+    fsync_dir(folder.parent)
+    shutil.rmtree(trash)
+
+
+def begin(directory: Path) -> Path:
+    """Steps ``clean`` and ``stage`` (the lock is held): the new, empty version folder."""
+    reached("clean")
+    for child in directory.iterdir():
+        number = layout.trash_number(child.name)
+        if number is not None and child.is_dir() and not child.is_symlink() and _owned(child):
+            shutil.rmtree(child)
+    existing = versions(directory)
+    for number, folder in existing.items():
+        if not (folder / layout.MARKER).is_file():
+            _discard(folder, number)
+    reached("stage")
+    staging = directory / layout.version_name(max(existing, default=0) + 1)
+    staging.mkdir()
+    fsync_dir(directory)
+    return staging
+
+
+def finish(staging: Path, records: dict[str, tuple[int, str]]) -> None:
+    """Steps ``manifest``, ``mark`` and ``prune`` (the lock is held)."""
+    from kwplug.checkpoint import manifest
+
+    reached("manifest")
+    manifest.write(staging, records)
+    reached("mark")
+    tmp = staging / layout.MARKER_TMP
+    codec.write_file(tmp, b"kwplug checkpoint\n")
+    os.replace(tmp, staging / layout.MARKER)
+    fsync_dir(staging)
+    fsync_dir(staging.parent)
+    reached("prune")
+    mine = layout.version_number(staging.name)
+    for number, folder in versions(staging.parent).items():
+        if mine is not None and number < mine:
+            _discard(folder, number)
+
+
+def abort(staging: Path) -> None:
+    """Remove the version folder of a failed save (nothing but kwplug's files is removed)."""
+    number = layout.version_number(staging.name)
+    if staging.is_dir() and number is not None:
+        _discard(staging, number)
+
+
+def check_directory(directory: Path) -> None:
+    """Refuse a ``directory`` that is not a directory (kwplug never replaces a file).
+
+    Raises:
+        CheckpointError: ``directory`` exists and is not a directory.
+    """
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(
+            f"cannot save a checkpoint into {directory}: it exists and is not a directory",
+            directory,
+        )
+    directory.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,90 @@
+"""Every name kwplug writes into a checkpoint directory: the one place that says what goes
+where (format ``kwplug-checkpoint-2``).
+
+A checkpoint directory ``DIR`` (which may hold anything else too)::
+
+    .kwplug.lock                  the save lock (lock.py), naming its holder's host and pid
+    kwplug-<n>/                   one version per save, n = 00000001, 00000002, ...
+        model_<i>.safetensors       each prepared model, unwrapped: a plain safetensors
+                                    state dict (rank 0; sharded models gathered in full)
+        optimizer_<i>.safetensors   each prepared optimizer's state dict (rank 0)
+        scaler.safetensors          the GradScaler (rank 0, fp16 only)
+        custom_<i>.safetensors      objects given to register_for_checkpointing (rank 0)
+        rank_<r>.safetensors        per rank: RNG states, data loader positions, states
+                                    attached by wrapper plugins (communication hooks),
+                                    plugins' handler_state
+        MANIFEST.json               every file above with its size and sha256
+        COMPLETE                    written last: a version without it does not exist
+    .kwplug-trash-<n>-<pid>/      a version being deleted (never read)
+
+Every ``.safetensors`` file is written by :mod:`kwplug.checkpoint.codec` (no pickles).
+"""
+
+from __future__ import annotations
+
+import re
+
+FORMAT = "kwplug-checkpoint-2"
+LOCK = ".kwplug.lock"
+MARKER = "COMPLETE"
+MARKER_TMP = ".COMPLETE.tmp"
+MANIFEST = "MANIFEST.json"
+SCALER = "scaler.safetensors"
+_VERSION = re.compile(r"kwplug-(\d{8})")
+_TRASH = re.compile(r"\.kwplug-trash-(\d{8})-\d+")
+_OWN_FILE = re.compile(
+    r"(model|optimizer|custom|rank)_\d+\.safetensors|scaler\.safetensors"
+    r"|MANIFEST\.json|COMPLETE|\.COMPLETE\.tmp"
+)
+
+
+def model_file(index: int) -> str:
+    """File of the ``index``-th prepared model."""
+    return f"model_{index}.safetensors"
+
+
+def optimizer_file(index: int) -> str:
+    """File of the ``index``-th prepared optimizer."""
+    return f"optimizer_{index}.safetensors"
+
+
+def custom_file(index: int) -> str:
+    """File of the ``index``-th object given to ``register_for_checkpointing``."""
+    return f"custom_{index}.safetensors"
+
+
+def rank_file(rank: int) -> str:
+    """File of the per-rank state of process ``rank``."""
+    return f"rank_{rank}.safetensors"
+
+
+def is_rank_file(name: str) -> bool:
+    """True for the name of a per-rank state file."""
+    return name.startswith("rank_") and _OWN_FILE.fullmatch(name) is not None
+
+
+def is_own_file(name: str) -> bool:
+    """True for a name kwplug writes inside a version folder."""
+    return _OWN_FILE.fullmatch(name) is not None
+
+
+def version_name(number: int) -> str:
+    """The folder of version ``number``."""
+    return f"kwplug-{number:08d}"
+
+
+def version_number(name: str) -> int | None:
+    """The number of a version folder's ``name``, or ``None`` for any other name."""
+    match = _VERSION.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def trash_name(number: int, pid: int) -> str:
+    """The name a version folder takes while process ``pid`` deletes it."""
+    return f".kwplug-trash-{number:08d}-{pid}"
+
+
+def trash_number(name: str) -> int | None:
+    """The version number of a trash folder's ``name``, or ``None`` for any other name."""
+    match = _TRASH.fullmatch(name)
+    return int(match.group(1)) if match else None

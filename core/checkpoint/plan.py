@@ -1,0 +1,93 @@
+"""What a checkpoint holds: one entry per file, each an object with torch's ``Stateful``
+protocol. To add something to checkpoints, add its entry in :func:`entries` (and, if it is
+not ``Stateful`` already, an adapter in :mod:`kwplug.checkpoint.stateful`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+
+from kwplug.checkpoint import layout, sharded
+from kwplug.checkpoint.checks import qualified_name
+from kwplug.checkpoint.stateful import (
+    RankState,
+    ShardedModelState,
+    ShardedOptimizerState,
+    Stateful,
+)
+
+if TYPE_CHECKING:
+    from kwplug.accelerator import Accelerator
+
+#: ``main``: rank 0 saves and loads it; ``collective``: every rank takes part, rank 0 writes
+#: the file and reads it (the others get ``{}``); ``each``: every rank its own file.
+Scope = Literal["main", "collective", "each"]
+
+
+@attrs.frozen
+class Entry:
+    """One file of a checkpoint and the object saved into it."""
+
+    file: str
+    target: Stateful
+    scope: Scope
+    kind: str  # module.Class of what is saved, stored with it (an optimizer's is checked)
+    optional: bool = False  # loaded only when the file exists (the scaler: fp16 only)
+
+
+def entries(accelerator: Accelerator) -> list[Entry]:
+    """The files of ``accelerator``'s checkpoint on this rank, in save and load order.
+
+    Raises:
+        NotImplementedError: an optimizer steps a sharded model's parameters together with
+            parameters outside that model.
+    """
+    acc = accelerator
+    modules = [acc.unwrap_model(m) for m in acc._models]
+    owners = sharded.optimizer_owners(modules, acc._optimizers)
+    plan: list[Entry] = []
+    for i, module in enumerate(modules):
+        if sharded.is_sharded(module):
+            target: Stateful = ShardedModelState(module)
+            plan.append(Entry(layout.model_file(i), target, "collective", qualified_name(module)))
+        else:
+            plan.append(Entry(layout.model_file(i), module, "main", qualified_name(module)))
+    for i, optimizer in enumerate(acc._optimizers):
+        if i in owners:
+            target = ShardedOptimizerState(owners[i], optimizer)
+            file = layout.optimizer_file(i)
+            plan.append(Entry(file, target, "collective", qualified_name(optimizer)))
+        else:
+            file = layout.optimizer_file(i)
+            plan.append(Entry(file, optimizer, "main", qualified_name(optimizer)))
+    if acc.scaler is not None:
+        kind = qualified_name(acc.scaler)
+        plan.append(Entry(layout.SCALER, acc.scaler, "main", kind, optional=True))
+    for i, obj in enumerate(acc._custom_objects):
+        plan.append(Entry(layout.custom_file(i), obj, "main", qualified_name(obj)))
+    rank = RankState(
+        world_size=acc.num_processes,
+        device=acc.device,
+        loaders=acc._dataloaders,
+        models=acc._models,
+        collect_handlers=lambda: collect_handler_state(acc),
+        restore_handlers=lambda saved: restore_handler_state(acc, saved),
+    )
+    file = layout.rank_file(acc.process_index)
+    plan.append(Entry(file, rank, "each", qualified_name(rank)))
+    return plan
+
+
+def collect_handler_state(accelerator: Accelerator) -> dict[str, Any]:
+    """Every plugin's ``handler_state`` answer, by registered plugin name."""
+    # By name, so that each plugin gets its own state back.
+    answers = accelerator._call_each("handler_state")
+    return {name: state for name, state in answers if state is not None}
+
+
+def restore_handler_state(accelerator: Accelerator, saved: Mapping[str, Any]) -> None:
+    """Give each plugin its saved state back (``load_handler_state``)."""
+    for name, state in saved.items():
+        accelerator._call_each("load_handler_state", only=name.__eq__, state=state)

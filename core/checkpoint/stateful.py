@@ -1,0 +1,188 @@
+"""Adapters that make what an ``Accelerator`` prepared checkpointable through torch's
+``Stateful`` protocol (``torch.distributed.checkpoint.stateful.Stateful``: ``state_dict()``
+and ``load_state_dict(state)``), and the registry through which wrapper plugins hand their
+per-rank state (e.g. a DDP communication hook's) to the checkpoint code.
+
+Adding something to checkpoints means one adapter here and one entry in
+:func:`kwplug.checkpoint.plan.entries`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import DataLoader
+
+from kwplug.checkpoint import rng, sharded
+from kwplug.checkpoint.errors import CheckpointError
+from kwplug.data import PreparedDataLoader
+
+_ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def attach_state(module: torch.nn.Module, state: Any) -> None:
+    """Save ``state`` with ``module`` in every checkpoint, on every rank.
+
+    For wrapper plugins whose wrapper holds per-rank state the model's ``state_dict`` does not
+    cover: the DDP handler attaches the state of the communication hook it registered
+    (PowerSGD's error feedback). ``state`` is saved through its ``state_dict()`` if it has
+    one, else through ``__getstate__`` (PowerSGD's state); a process group is never saved.
+    Call it once per state, in the same order on every run, after wrapping.
+
+    Args:
+        module: the wrapped model a plugin's ``wrap_model`` returned.
+        state: the object whose state to save; ``None`` is ignored.
+    """
+    if state is not None:
+        _ATTACHED.setdefault(module, []).append(state)
+
+
+def attached_states(module: torch.nn.Module) -> list[Any]:
+    """What :func:`attach_state` attached to ``module``, in order."""
+    return list(_ATTACHED.get(module, ()))
+
+
+class Stateful(Protocol):
+    """torch's ``Stateful`` protocol, restated for type checking."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What to save."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        ...
+
+
+def hook_state_dict(state: Any) -> Any:
+    """A snapshot of a DDP communication hook's state, or ``None`` if stateless.
+
+    States with ``state_dict()`` use it; PowerSGD's state through ``__getstate__`` (which
+    leaves out the process group). Either must hold only what
+    :mod:`kwplug.checkpoint.codec` stores (PowerSGD's NumPy random state is).
+    """
+    if state is None or isinstance(state, torch.distributed.ProcessGroup):
+        return None
+    if callable(getattr(state, "state_dict", None)):
+        return {"kind": "state_dict", "value": state.state_dict()}
+    getstate: Callable[[], Any] | None = getattr(type(state), "__getstate__", None)
+    if getstate is not None and getstate is not getattr(object, "__getstate__", None):
+        return {"kind": "getstate", "value": state.__getstate__()}
+    return None
+
+
+def load_hook_state(state: Any, saved: Any) -> None:
+    """Restore a snapshot from :func:`hook_state_dict` into the live hook ``state``."""
+    if saved is None:
+        return
+    if saved["kind"] == "state_dict":
+        state.load_state_dict(saved["value"])
+    else:
+        process_group = getattr(state, "process_group", None)
+        state.__setstate__(saved["value"])
+        if process_group is not None:  # keep the live group, not the default one
+            state.process_group = process_group
+
+
+class ShardedModelState:
+    """A model with ``DTensor`` parameters as its full state dict (collectives: every rank)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state dict on rank 0, ``{}`` elsewhere (gathered by every rank)."""
+        return sharded.full_model_state(self.module)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the full ``state_dict`` given on rank 0 (``{}`` elsewhere) into the shards."""
+        sharded.load_full_model(self.module, state_dict)
+
+
+class ShardedOptimizerState:
+    """The optimizer of a sharded model as torch's full optimizer state dict (collectives)."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full optimizer state dict on rank 0, ``{}`` elsewhere."""
+        return sharded.full_optimizer_state(self.module, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the full optimizer state dict given on rank 0 (``{}`` elsewhere)."""
+        sharded.load_full_optimizer(self.module, self.optimizer, state_dict)
+
+
+class RankState:
+    """What each process saves of its own: RNG states, data loader positions, the states
+    attached to the models (communication hooks) and the plugins' ``handler_state``."""
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        device: torch.device,
+        loaders: Sequence[DataLoader[Any]],
+        models: Sequence[torch.nn.Module],
+        collect_handlers: Callable[[], dict[str, Any]],
+        restore_handlers: Callable[[Mapping[str, Any]], None],
+    ) -> None:
+        self.world_size, self.device = world_size, device
+        self.loaders, self.models = loaders, models
+        self.collect_handlers, self.restore_handlers = collect_handlers, restore_handlers
+
+    def state_dict(self) -> dict[str, Any]:
+        """The per-rank state (see the class docstring)."""
+        return {
+            "world_size": self.world_size,
+            "handlers": self.collect_handlers(),
+            "rng": rng.rng_state(self.device),
+            "dataloaders": [
+                dl.state_dict() if isinstance(dl, PreparedDataLoader) else None
+                for dl in self.loaders
+            ],
+            "comm_hooks": [
+                [hook_state_dict(state) for state in attached_states(model)]
+                for model in self.models
+            ],
+        }
+
+    def check(self, state_dict: Any, path: Path) -> None:
+        """Refuse a ``state_dict`` (read from ``path``) that does not fit this run.
+
+        Raises:
+            CheckpointError: saved by another number of processes, for another number of
+                data loaders, or not a per-rank state at all.
+        """
+        keys = ("world_size", "rng", "dataloaders", "comm_hooks")
+        if not isinstance(state_dict, dict) or any(k not in state_dict for k in keys):
+            raise CheckpointError(f"{path} does not hold a kwplug per-rank state", path)
+        if state_dict["world_size"] != self.world_size:
+            raise CheckpointError(
+                f"{path} was saved by {state_dict['world_size']} processes, this run has "
+                f"{self.world_size}",
+                path,
+            )
+        saved = state_dict["dataloaders"]
+        if len(saved) != len(self.loaders):
+            raise CheckpointError(
+                f"{path} holds {len(saved)} data loader position(s), "
+                f"{len(self.loaders)} data loader(s) are prepared",
+                path,
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore everything :meth:`state_dict` saved (RNG states last)."""
+        for loader, position in zip(self.loaders, state_dict["dataloaders"], strict=True):
+            if position is not None and isinstance(loader, PreparedDataLoader):
+                loader.load_state_dict(position)
+        for model, saved in zip(self.models, state_dict["comm_hooks"], strict=False):
+            for state, snapshot in zip(attached_states(model), saved, strict=False):
+                load_hook_state(state, snapshot)
+        self.restore_handlers(state_dict.get("handlers", {}))
+        rng.set_rng_state(state_dict["rng"], self.device)

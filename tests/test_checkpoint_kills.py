@@ -1,0 +1,31 @@
+"""Any number of kills at any instant, in a row, leave the newest complete checkpoint
+loadable (issue 12, item 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = Path(__file__).parent / "workers" / "kill_saver.py"
+
+
+def test_kill_loop_always_leaves_the_newest_checkpoint(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path / "ckpt"), "200", "12"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    print(figures)
+    assert figures["random_kills"] == 200
+    assert figures["step_kills"] == 14
+    assert figures["survived"] == 215
+    assert figures["interrupted_saves"] >= 20  # many kills did land in the middle of a save
+    assert figures["last_counter"] > 20  # and saves made progress between them
