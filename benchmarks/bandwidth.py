@@ -190,7 +190,7 @@ def run_all(
 
 def table(
     data: dict[str, Any], configs: Sequence[str], bits_per_s: float | None
-) -> list[dict[str, Any]]:  # noqa: E501
+) -> list[dict[str, Any]]:
     """One row per configuration (see the module docstring)."""
     compute = statistics.median(data.get("compute_floor_s") or [float("nan")])
     plain = data.get("samples_s", {}).get("raw:no")

@@ -123,7 +123,7 @@ def local_step() -> Step:
     """A single-process step of the same model: the compute floor (no communication)."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    return _loop(model, opt, lambda loss: loss.backward())
+    return _loop(model, opt, torch.autograd.backward)
 
 
 def _torch_hook(hook: str) -> tuple[Any, Any]:
@@ -160,10 +160,10 @@ def build_raw(hook: str) -> Step:
     model = torch.nn.parallel.DistributedDataParallel(make_model(), device_ids=ids)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     if hook == "local_sgd":
-        return _loop(model, opt, lambda loss: loss.backward(), model.no_sync, _averager()(model))
+        return _loop(model, opt, torch.autograd.backward, model.no_sync, _averager()(model))
     if hook != "no":
         model.register_comm_hook(*_torch_hook(hook))
-    return _loop(model, opt, lambda loss: loss.backward())
+    return _loop(model, opt, torch.autograd.backward)
 
 
 def build_kwplug(hook: str) -> Step:

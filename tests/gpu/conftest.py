@@ -1,9 +1,11 @@
-"""The GPU suite: collected only when CUDA is available (``scripts/gpu-check`` runs it).
+"""The GPU suite: run only when CUDA is available (``scripts/gpu-check`` runs it).
 
-Without CUDA every test here is skipped at collection, with one reason. Multi-process tests use
-``min(2, torch.cuda.device_count())`` ranks: NCCL refuses two ranks of one communicator on the
-same GPU ("Duplicate GPU detected"), so on a one-GPU machine the nccl tests run one rank (a real
-nccl process group, DDP and its hooks included) and the two-rank ones are skipped.
+Without CUDA every test collected under this folder is marked skipped, with one reason (each
+test module also skips itself at import, so that its CUDA-only module code never runs).
+Multi-process tests use ``min(2, torch.cuda.device_count())`` ranks: NCCL refuses two ranks of
+one communicator on the same GPU ("Duplicate GPU detected"), so on a one-GPU machine the nccl
+tests run one rank (a real nccl process group, DDP and its hooks included) and the two-rank
+ones are skipped.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device: the GPU suite is skipped", allow_module_level=True)
+HERE = Path(__file__).parent
+NO_CUDA = "no CUDA device: the GPU suite is skipped"
+sys.path.insert(0, str(HERE))
 
-sys.path.insert(0, str(Path(__file__).parent))
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every test of this folder when CUDA is unavailable."""
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if HERE in Path(item.path).parents:
+            item.add_marker(pytest.mark.skip(reason=NO_CUDA))

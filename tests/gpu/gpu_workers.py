@@ -19,6 +19,11 @@ import kwplug
 TIMEOUT_S = 97  # an unusual value, recognisable in the process group's options
 
 
+def _handlers(backend: str) -> list[Any]:
+    # nccl with one GPU per rank; "gloo" (CUDA tensors) when two ranks share one GPU
+    return [kwplug.InitProcessGroupKwargs(backend=backend)]
+
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -83,14 +88,14 @@ def nccl_process_group() -> dict[str, Any]:
     return result
 
 
-def ddp_device_ids() -> dict[str, Any]:
+def ddp_device_ids(backend: str) -> dict[str, Any]:
     """DDP on the GPU: the wrapper's ``device_ids`` and identical weights after training."""
-    accelerator = kwplug.Accelerator()
+    accelerator = kwplug.Accelerator(kwargs_handlers=_handlers(backend))
     model, losses = _train(accelerator, _model())
     result = {
         "wrapper": type(model).__name__,
         "device_ids": list(getattr(model, "device_ids", None) or []),
-        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "device_index": accelerator.device.index,
         "identical": _ranks_identical(_flat(model)),
         "finite": all(map(lambda v: v == v and abs(v) < 1e6, losses)),
     }
@@ -98,14 +103,19 @@ def ddp_device_ids() -> dict[str, Any]:
     return result
 
 
-def comm_hook(hook: str, options: dict[str, Any], mixed_precision: str) -> dict[str, Any]:
-    """Train with ``DistributedDataParallelKwargs(comm_hook=hook)`` on nccl."""
+def comm_hook(
+    hook: str, options: dict[str, Any], mixed_precision: str, backend: str
+) -> dict[str, Any]:
+    """Train with ``DistributedDataParallelKwargs(comm_hook=hook)`` on ``backend``."""
     handler = kwplug.DistributedDataParallelKwargs(comm_hook=hook, comm_state_option=options)
-    accelerator = kwplug.Accelerator(mixed_precision=mixed_precision, kwargs_handlers=[handler])
+    accelerator = kwplug.Accelerator(
+        mixed_precision=mixed_precision, kwargs_handlers=[handler, *_handlers(backend)]
+    )
     model, losses = _train(accelerator, _model(), steps=5)
     flat = _flat(model)
     result = {
         "backend": dist.get_backend(),
+        "wrapped": type(model).__name__ == "DistributedDataParallel",
         "identical": _ranks_identical(flat),
         "finite": bool(torch.isfinite(flat).all()) and all(v == v for v in losses),
         "moved": not torch.equal(flat, _flat(_model()).to(flat.device)),
@@ -114,10 +124,10 @@ def comm_hook(hook: str, options: dict[str, Any], mixed_precision: str) -> dict[
     return result
 
 
-def bf16_mean(hook: str) -> float:
+def bf16_mean(hook: str, backend: str) -> float:
     """Max error of the bf16 hook's averaged gradient against the exact fp32 mean."""
     handler = kwplug.DistributedDataParallelKwargs(comm_hook=hook)
-    accelerator = kwplug.Accelerator(kwargs_handlers=[handler])
+    accelerator = kwplug.Accelerator(kwargs_handlers=[handler, *_handlers(backend)])
     torch.manual_seed(0)
     model = accelerator.prepare(torch.nn.Linear(256, 256, bias=False))
     x = torch.randn(8, 256, device=accelerator.device) * (dist.get_rank() + 1)
@@ -128,7 +138,7 @@ def bf16_mean(hook: str) -> float:
         weight = accelerator.unwrap_model(model).weight.detach().clone().requires_grad_(True)
         torch.manual_seed(0)
         xr = torch.randn(8, 256, device=accelerator.device) * (rank + 1)
-        torch.nn.functional.linear(xr, weight).square().mean().backward()
+        torch.autograd.backward(torch.nn.functional.linear(xr, weight).square().mean())
         grads.append(weight.grad)
     exact = torch.stack(grads).mean(0)
     got = accelerator.unwrap_model(model).weight.grad
@@ -137,10 +147,10 @@ def bf16_mean(hook: str) -> float:
     return error
 
 
-def profile_cuda(trace_dir: str) -> dict[str, Any]:
+def profile_cuda(trace_dir: str, backend: str) -> dict[str, Any]:
     """``accelerator.profile`` with the cuda activity: per-rank traces holding GPU kernels."""
     handler = kwplug.ProfileKwargs(activities=["cpu", "cuda"], output_trace_dir=trace_dir)
-    accelerator = kwplug.Accelerator(kwargs_handlers=[handler])
+    accelerator = kwplug.Accelerator(kwargs_handlers=[handler, *_handlers(backend)])
     model = accelerator.prepare(_model())
     with accelerator.profile() as prof:
         for step in range(2):
@@ -153,13 +163,14 @@ def profile_cuda(trace_dir: str) -> dict[str, Any]:
     return {"rank": dist.get_rank(), "ops": len(names), "device_time_us": device_time}
 
 
-def fsdp2() -> dict[str, Any]:
+def fsdp2(backend: str) -> dict[str, Any]:
     """The kwplug-fsdp plugin on the GPU: parameters become DTensors; training works."""
     from kwplug_fsdp import FullyShardedKwargs
     from torch.distributed.tensor import DTensor
 
+    shard = FullyShardedKwargs(shard_modules=["Linear"])
     accelerator = kwplug.Accelerator(
-        mixed_precision="bf16", kwargs_handlers=[FullyShardedKwargs(shard_modules=["Linear"])]
+        mixed_precision="bf16", kwargs_handlers=[shard, *_handlers(backend)]
     )
     model, losses = _train(accelerator, _model(), steps=4)
     params = list(model.parameters())
