@@ -112,9 +112,9 @@ def _loop(
             with context:
                 backward(loss_fn(model(x), y))
             opt.step()
-            opt.zero_grad()
-            if after_step is not None:
+            if after_step is not None:  # before zero_grad: the averager skips grad-less params
                 after_step()
+            opt.zero_grad()
 
     return step
 
