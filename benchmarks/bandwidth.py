@@ -140,7 +140,7 @@ def launch(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            return None, f"timed out after {timeout:.0f} s"
+            return None, f"hung: killed after {timeout:.0f} s"
         if proc.returncode == 0 and os.path.exists(out):
             with open(out, encoding="utf-8") as handle:
                 return json.load(handle), ""
@@ -233,7 +233,7 @@ def markdown(rows: Sequence[dict[str, Any]], rate: str, compute_ms: float) -> li
         if r.get("error") or "ms_per_step" not in r:
             lines.append(f"| {r['config']} | failed: {r.get('error') or 'no result'} |||||| ")
             continue
-        payload = "built-in (C++)" if r["payload_bytes"] == 0 else f"{r['payload_bytes']:,.0f}"
+        payload = "0 (C++ only)" if r["payload_bytes"] == 0 else f"{r['payload_bytes']:,.0f}"
         speed = r["speedup_vs_raw_no"]
         lines.append(
             f"| {r['config']} | {r['ms_per_step']:.1f} | {payload} | {r['wire_bytes']:,.0f} "

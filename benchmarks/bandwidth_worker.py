@@ -5,7 +5,7 @@
 warm-up error marks it failed, on every rank, and the others go on); then blocks of
 ``--steps`` steps run interleaved -- the order rotating each repetition -- each block started
 by a barrier. Per block rank 0 records seconds per step and the bytes the namespace's
-loopback carried (both ranks' traffic: the wire). Afterwards each training runs two more steps
+loopback carried (both ranks' traffic: the wire). Afterwards each training runs four more steps (a LocalSGD period)
 under kwplug-compress's collective counter (payload bytes this rank handed to
 ``torch.distributed`` collectives; DDP's built-in C++ all-reduce is not seen and is reported as
 the gradient size). The single-process step time of the same model (the compute floor) is
@@ -84,9 +84,10 @@ def run_configs(
     for config, step in steps.items():
         if config in errors:
             continue
+        count = systems.LOCAL_SGD_PERIOD  # a whole averaging period
         with systems.payload_counter() as counter:
-            step(data[:2])
-        payload[config] = counter.bytes / 2
+            step(data[:count])
+        payload[config] = counter.bytes / count
     return {"samples_s": samples, "wire_bytes": wire, "payload_bytes": payload, "errors": errors}
 
 

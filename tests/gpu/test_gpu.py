@@ -140,6 +140,7 @@ def test_profiler_cuda_activity_writes_a_trace_per_rank(tmp_path: Path) -> None:
         assert any(e.get("cat") == "kernel" for e in events), rank
 
 
+@two_gpus  # FSDP2's reduce-scatter of CUDA tensors needs nccl, not gloo
 @pytest.mark.skipif(importlib.util.find_spec("kwplug_fsdp") is None, reason="kwplug-fsdp absent")
 def test_fsdp2_plugin_on_gpu() -> None:
     for result in run_distributed(gpu_workers.fsdp2, BACKEND, nproc=NPROC, timeout=180):
