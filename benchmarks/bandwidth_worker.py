@@ -1,15 +1,15 @@
-"""Worker of :mod:`benchmarks.bandwidth`, one per rank under torchrun (gloo, CPU).
+"""Worker of :mod:`benchmarks.bandwidth`, one per rank under torchrun (gloo on CPU, or nccl).
 
 ``--configs raw:no,kwplug:fp16,...`` names the trainings (see
 :mod:`benchmarks.bandwidth_systems`). Each is built and run for ``--warmup`` steps (a build or
 warm-up error marks it failed, on every rank, and the others go on); then blocks of
 ``--steps`` steps run interleaved -- the order rotating each repetition -- each block started
 by a barrier. Per block rank 0 records seconds per step and the bytes the namespace's
-loopback carried (both ranks' traffic: the wire). Afterwards each training runs four more steps (a LocalSGD period)
-under kwplug-compress's collective counter (payload bytes this rank handed to
-``torch.distributed`` collectives; DDP's built-in C++ all-reduce is not seen and is reported as
-the gradient size). The single-process step time of the same model (the compute floor) is
-timed first. Rank 0 writes JSON to ``--out``.
+loopback carried (both ranks' traffic: the wire). Afterwards each training runs four more
+steps (a LocalSGD period) under kwplug-compress's collective counter (payload bytes this rank
+handed to ``torch.distributed`` collectives; DDP's built-in C++ all-reduce is not seen and
+counts 0). The single-process step time of the same model (the compute floor) is timed first.
+Rank 0 writes JSON to ``--out``. ``KWPLUG_BENCH_DEVICE=cuda`` runs on the GPUs with nccl.
 """
 
 from __future__ import annotations
