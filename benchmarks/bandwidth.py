@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{s}:{h}" for h in HOOKS for s in SYSTEMS
             if supported(s, h) and (accel or s != "accelerate")
         ]  # fmt: skip
-    steps = args.steps or (3 if args.quick else 10)
+    steps = args.steps or (4 if args.quick else 10)
     reps = args.reps or (1 if args.quick else 2)
     warmup = 2 if args.quick else 3
     worker_args = ["--steps", str(steps), "--reps", str(reps), "--warmup", str(warmup)]

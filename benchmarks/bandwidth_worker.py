@@ -6,10 +6,11 @@ warm-up error marks it failed, on every rank, and the others go on); then blocks
 ``--steps`` steps run interleaved -- the order rotating each repetition -- each block started
 by a barrier. Per block rank 0 records seconds per step and the bytes the namespace's
 loopback carried (both ranks' traffic: the wire). Afterwards each training runs four more
-steps (a LocalSGD period) under kwplug-compress's collective counter (payload bytes this rank
-handed to ``torch.distributed`` collectives; DDP's built-in C++ all-reduce is not seen and
-counts 0). The single-process step time of the same model (the compute floor) is timed first.
-Rank 0 writes JSON to ``--out``. ``KWPLUG_BENCH_DEVICE=cuda`` runs on the GPUs with nccl.
+steps (a LocalSGD period; fewer if a block is shorter) under kwplug-compress's collective
+counter (payload bytes this rank handed to ``torch.distributed`` collectives; DDP's built-in
+C++ all-reduce is not seen and counts 0). The single-process step time of the same model
+(the compute floor) is timed first. Rank 0 writes JSON to ``--out``.
+``KWPLUG_BENCH_DEVICE=cuda`` runs on the GPUs with nccl.
 """
 
 from __future__ import annotations
@@ -84,10 +85,10 @@ def run_configs(
     for config, step in steps.items():
         if config in errors:
             continue
-        count = systems.LOCAL_SGD_PERIOD  # a whole averaging period
+        counted = data[: systems.LOCAL_SGD_PERIOD]  # a whole averaging period if data allows
         with systems.payload_counter() as counter:
-            step(data[:count])
-        payload[config] = counter.bytes / count
+            step(counted)
+        payload[config] = counter.bytes / len(counted)
     return {"samples_s": samples, "wire_bytes": wire, "payload_bytes": payload, "errors": errors}
 
 

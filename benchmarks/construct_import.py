@@ -190,7 +190,7 @@ def run(quick: bool, with_accelerate: bool) -> Result:
         "raw": functools.partial(cli_process, ["-c", "import torch"]),
         "kwplug": functools.partial(cli_process, ["-m", "kwplug", "plugins"]),
     }
-    cli = interleave(cli_blocks, reps=1 if quick else 7, warmup=1)
+    cli = interleave(cli_blocks, reps=1 if quick else 7, warmup=0 if quick else 1)
     result.rows.append(
         timing_row(
             "kwplug plugins (process) vs python -c 'import torch'",
