@@ -1,7 +1,8 @@
 """The GPU suite: run only when CUDA is available (``scripts/gpu-check`` runs it).
 
-Without CUDA every test collected under this folder is marked skipped, with one reason (each
-test module also skips itself at import, so that its CUDA-only module code never runs).
+Without CUDA every test collected under this folder is marked skipped, with one reason, so that
+``pytest tests/gpu`` reports them as skipped and exits 0. Test modules must therefore not touch
+the device at import time.
 Multi-process tests use ``min(2, torch.cuda.device_count())`` ranks: NCCL refuses two ranks of
 one communicator on the same GPU ("Duplicate GPU detected"), so on a one-GPU machine the nccl
 tests run one rank (a real nccl process group, DDP and its hooks included) and the two-rank

@@ -1,7 +1,8 @@
 """The GPU suite: nccl, CUDA autocast + GradScaler, DDP device_ids, every comm hook on nccl,
 the cuda profiler activity, FSDP2 and the wire-bound benchmark on nccl.
 
-Skipped as a whole without CUDA (see conftest.py). Run it with ``scripts/gpu-check``.
+Every test is skipped without CUDA (conftest.py marks them at collection; nothing here touches
+the device at import). Run it with ``scripts/gpu-check``.
 """
 
 from __future__ import annotations
@@ -14,13 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import gpu_workers
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device: the GPU suite is skipped", allow_module_level=True)
-
-import gpu_workers
 
 import kwplug
 from kwplug.testing import run_distributed
