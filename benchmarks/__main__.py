@@ -1,5 +1,9 @@
 """``python -m benchmarks [--quick] [--json PATH]``: every benchmark, then the combined table.
 
+``python -m benchmarks bandwidth [--rate 200mbit] ...`` runs the wire-bound DDP benchmark
+(:mod:`benchmarks.bandwidth`, needs root; not part of the default run) and
+``python -m benchmarks startup`` the start-up one alone (:mod:`benchmarks.construct_import`).
+
 Each benchmark runs in a fresh interpreter (``python -m benchmarks.<name> --json <tmp>``, one
 OpenMP thread), prints its own table as it finishes, and the combined three-way table and the
 targets follow. The exit status is non-zero when a benchmark failed (including its checks:
@@ -55,8 +59,18 @@ def run_one(name: str, quick: bool, no_accelerate: bool, tmp: str) -> dict[str, 
     return result
 
 
+#: ``python -m benchmarks NAME ...`` -> the module whose ``main(argv)`` runs it.
+SUBCOMMANDS = {"bandwidth": "benchmarks.bandwidth", "startup": "benchmarks.construct_import"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run every benchmark; print the combined table; return the exit status."""
+    """Run every benchmark (or one sub-command); print the table; return the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
+
+        outcome = importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+        return outcome if isinstance(outcome, int) else 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke-test sizes (< 1 minute)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the combined JSON")

@@ -5,6 +5,8 @@
   ``Accelerator(cpu=True, kwargs_handlers=[5 handlers])`` -- handler classes imported and
   instantiated, entry-point discovery included.
 - Repeated construction of the same Accelerator (5 handlers) in one process, interleaved.
+- The ``kwplug plugins`` command (``python -m kwplug plugins``, a whole process, wall clock)
+  against ``python -c "import torch"`` (the raw column: the floor every kwplug command pays).
 
 There is nothing to import or construct in raw PyTorch, so the raw column is empty; the
 targets are absolute.
@@ -18,6 +20,7 @@ import functools
 import json
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -104,6 +107,24 @@ def fresh_process(module: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def cli_process(args: Sequence[str]) -> float:
+    """Wall seconds of ``python *args`` in a fresh process (output discarded).
+
+    Raises:
+        RuntimeError: the process failed.
+    """
+    env = child_env()
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    start = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+    elapsed = time.perf_counter() - start
+    if out.returncode != 0:
+        raise RuntimeError(f"{args} failed:\n{out.stderr[-4000:]}")
+    return elapsed
+
+
 def make_constructor(impl: str) -> Callable[[int], None]:
     """``n`` constructions of ``impl``'s Accelerator with 5 handlers."""
     if impl == "kwplug":
@@ -165,12 +186,38 @@ def run(quick: bool, with_accelerate: bool) -> Result:
         repeated = interleave(blocks, reps=3 if quick else 31, warmup=1)
     result.rows.append(timing_row("repeated Accelerator(5 handlers)", repeated))
 
-    import_row, first_row, _total_row, repeated_row = result.rows
+    cli_blocks = {
+        "raw": functools.partial(cli_process, ["-c", "import torch"]),
+        "kwplug": functools.partial(cli_process, ["-m", "kwplug", "plugins"]),
+    }
+    cli = interleave(cli_blocks, reps=1 if quick else 7, warmup=0 if quick else 1)
+    result.rows.append(
+        timing_row(
+            "kwplug plugins (process) vs python -c 'import torch'",
+            cli,
+            unit="ms",
+            scale=1e3,
+            note="raw: the interpreter importing torch; kwplug extra: the command's own cost",
+        )
+    )
+
+    import_row, first_row, _total_row, repeated_row, cli_row = result.rows
     result.targets = [
         Target("import kwplug (torch loaded)", _num(import_row.kwplug), "<=", 20, "ms"),
         Target("first Accelerator(5 handlers)", _num(first_row.kwplug), "<=", 3, "ms"),
         Target("repeated Accelerator(5 handlers)", _num(repeated_row.kwplug), "<=", 50, "µs"),
+        Target("kwplug plugins over import torch", cli_row.kwplug_extra, "<=", 500, "ms"),
     ]
+    if isinstance(first_row.accelerate, float):  # issue 13: first Accelerator <= Accelerate's
+        result.targets.append(
+            Target(
+                "first Accelerator: kwplug vs Accelerate",
+                _num(first_row.kwplug),
+                "<=",
+                first_row.accelerate,
+                "ms",
+            )
+        )
     torch_s: dict[str, Any] = {impl: [c["torch_s"] for c in children[impl]] for impl in frameworks}
     result.info = {
         "children": children,
