@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import gc
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 pytest_plugins = ["kwplug.testing"]
 
@@ -17,3 +21,20 @@ def _single_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("KWPLUG_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+
+
+@pytest.fixture
+def one_process_group() -> Iterator[None]:
+    """A one-process gloo group (in-memory store) for the test, destroyed after it."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        # torch's PowerSGD callbacks hold the group; give gloo's worker threads a moment to
+        # release them, or the group's destructor may run on (and join) its own worker thread.
+        # DDP modules the test built must go before the group too (a DDP module outliving its
+        # group can abort the interpreter at exit).
+        time.sleep(0.05)
+        gc.collect()
+        dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """Type-checked (not run) use of kwplug's public API: `mypy --strict` over this file is part of
-tests/test_quality.py, so the typed contract users and plugin authors rely on is tested."""
+tests/gates/test_quality.py, so the typed contract users and plugin authors rely on is tested."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed_core.py: run under torchrun with 2 processes (gloo).
+"""Worker for tests/training/test_distributed_core.py: run under torchrun with 2 processes (gloo).
 
 Prints one JSON line per rank: ``RESULT {...}``.
 """

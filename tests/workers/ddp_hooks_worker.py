@@ -1,4 +1,4 @@
-"""Worker for tests/test_ddp_torchrun.py: train under each DDP communication hook config.
+"""Worker for tests/handlers/test_ddp_torchrun.py: train under each DDP communication hook config.
 
 Run by torchrun with 2 CPU processes. For each config (a fresh Accelerator, model and DDP), it
 trains a small regression MLP on rank-specific data and records: the evaluation loss before

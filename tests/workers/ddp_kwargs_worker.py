@@ -1,4 +1,4 @@
-"""Worker for tests/test_ddp_torchrun.py: DDP constructor options reaching the DDP module.
+"""Worker for tests/handlers/test_ddp_torchrun.py: DDP constructor options reaching the DDP module.
 
 Run by torchrun with 2 CPU processes. For each config it builds a fresh Accelerator with a
 ``DistributedDataParallelKwargs`` handler, prepares a small model (which has a per-rank buffer

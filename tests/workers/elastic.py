@@ -1,5 +1,5 @@
-"""Worker for tests/test_reliability.py: trains with periodic checkpoints and resumes from the
-last one on start, so torchrun --max-restarts can restart it after a worker dies.
+"""Worker for tests/checkpoint/test_reliability.py: trains with periodic checkpoints and
+resumes from the last one on start, so torchrun --max-restarts can restart it after a worker dies.
 
 Usage: elastic.py OUT CKPT --steps N --every K [--kill-rank R --kill-at S] [--comm-hook H]
 """

@@ -1,5 +1,5 @@
-"""Worker for tests/test_checkpoint_kills.py: SIGKILL savers at random instants and at each
-named step of the commit protocol, in a row, and check after every kill that the newest
+"""Worker for tests/checkpoint/test_checkpoint_kills.py: SIGKILL savers at random instants
+and at each named step of the commit protocol, in a row, and check after every kill that the newest
 complete checkpoint loads and is at least as new as the last save that returned.
 
 Usage: kill_saver.py DIR KILLS SEED. Prints one JSON line of figures.

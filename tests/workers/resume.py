@@ -1,4 +1,4 @@
-"""Worker for tests/test_checkpoint.py: train, save, resume, and write final parameters.
+"""Worker for tests/checkpoint/test_checkpoint.py: train, save, resume, and write final parameters.
 
 Usage: resume.py OUT --steps N [--save-at K --ckpt DIR] [--resume DIR --start-step K]
                  [--mixed-precision fp16] [--comm-hook power_sgd] [--comm-wrapper fp16]

@@ -13,7 +13,7 @@ import kwplug
 import kwplug.plugins
 from kwplug.hookspecs import HOOKS, HandlerSpec
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 SPECS = sorted(HOOKS)  # every spec, as declared with kwplug.hookspecs.spec
 
 
@@ -52,7 +52,7 @@ def test_every_public_name_has_a_docstring() -> None:
 
 def test_every_hook_spec_has_a_docs_section_and_a_test() -> None:
     architecture = (ROOT / "docs" / "architecture.md").read_text()
-    tests = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    tests = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
     for spec in SPECS:
         assert re.search(rf"^### `{spec}`", architecture, re.M), f"no docs section for {spec}"
         assert f"def test_hook_{spec}(" in tests, f"no test_hook_{spec}"

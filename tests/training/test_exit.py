@@ -7,7 +7,7 @@ from pathlib import Path
 
 from torchrun import torchrun
 
-SCRIPT = Path(__file__).parent / "workers" / "no_end_training.py"
+SCRIPT = Path(__file__).parents[1] / "workers" / "no_end_training.py"
 
 
 def test_exit_without_end_training_is_clean() -> None:

@@ -1,18 +1,15 @@
 """DistributedDataParallelKwargs and kwplug's DDP communication hooks, in one process.
 
 The 2-process behaviour (DDP options reaching the module, hooks training in sync) is in
-tests/test_ddp_torchrun.py. Here: the handler's API and validation, the world_size == 1 path,
-hook resolution errors, and the hooks' arithmetic on a 1-process gloo group.
+tests/handlers/test_ddp_torchrun.py. Here: the handler's API and validation, the
+world_size == 1 path, hook resolution errors, and the hooks' arithmetic on a 1-process gloo group.
 """
 
 from __future__ import annotations
 
 import functools
-import gc
 import inspect
 import math
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -359,22 +356,6 @@ def test_registered_hook_without_state_rejects_options() -> None:
 
 
 # -- the hooks, on a 1-process gloo group ----------------------------------------------------
-
-
-@pytest.fixture
-def one_process_group() -> Iterator[None]:
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        # torch's PowerSGD callbacks hold the group; give gloo's worker threads a moment to
-        # release them, or the group's destructor may run on (and join) its own worker thread.
-        # DDP modules the test built must go before the group too (a DDP module outliving its
-        # group can abort the interpreter at exit).
-        time.sleep(0.05)
-        gc.collect()
-        dist.destroy_process_group()
 
 
 class FakeBucket:

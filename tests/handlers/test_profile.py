@@ -21,7 +21,7 @@ import kwplug
 from kwplug import ProfileKwargs
 from kwplug.plugins import profile as profile_module
 
-WORKERS = Path(__file__).parent / "workers"
+WORKERS = Path(__file__).parents[1] / "workers"
 
 DEFAULTS = {
     "activities": None,

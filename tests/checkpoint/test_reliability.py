@@ -10,7 +10,7 @@ import pytest
 import torch
 from torchrun import torchrun
 
-WORKERS = Path(__file__).parent / "workers"
+WORKERS = Path(__file__).parents[1] / "workers"
 
 
 def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path: Path) -> None:
@@ -133,7 +133,7 @@ def test_two_nodes_with_torchruns_own_rendezvous(tmp_path: Path) -> None:
 
     from torchrun import free_port
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-WORKER = Path(__file__).parent / "workers" / "kill_saver.py"
+WORKER = Path(__file__).parents[1] / "workers" / "kill_saver.py"
 
 
 def test_kill_loop_always_leaves_the_newest_checkpoint(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """One test per hook spec (test_hook_<name>): a plugin implementing it drives what torch gets.
 
-tests/test_api_docs.py fails when a spec has no test here (or no section in the docs).
+tests/gates/test_api_docs.py fails when a spec has no test here (or no section in the docs).
 """
 
 from __future__ import annotations

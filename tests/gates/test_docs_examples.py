@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
@@ -28,7 +28,7 @@ def test_code_block_runs(
     if "# doctest: skip" in code:
         pytest.skip(
             "block marked '# doctest: skip': needs the package its page builds "
-            "(tests/test_tutorial.py installs it and runs these files)"
+            "(tests/gates/test_tutorial.py installs it and runs these files)"
         )
     monkeypatch.chdir(tmp_path)
     script = tmp_path / "block.py"

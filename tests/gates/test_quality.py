@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 TYPING_EXAMPLE = ROOT / "tests" / "typing" / "public_api.py"
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from torchrun import torchrun
 
-WORKERS = Path(__file__).parent / "workers"
+WORKERS = Path(__file__).parents[1] / "workers"
 STEPS = 30  # tests/workers/ddp_hooks_worker.py STEPS
 
 

@@ -1,19 +1,16 @@
 """kwplug.plugins.ddp_comm_hooks.canonical_bucket_hook, in one process, with stand-in buckets.
 
 The end-to-end property (a resumed 2-process PowerSGD run is bitwise equal to an uninterrupted
-one) is tests/test_checkpoint.py::test_ddp_power_sgd_resume_is_bitwise_exact.
+one) is tests/checkpoint/test_checkpoint.py::test_ddp_power_sgd_resume_is_bitwise_exact.
 """
 
 from __future__ import annotations
 
-import gc
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 from kwplug import DistributedDataParallelKwargs
@@ -172,18 +169,6 @@ def test_bucket_tiled_by_state_keys_runs_the_hook_per_tile() -> None:
         recorder.seen.clear()
         hook(state, RealBucket(params, grads))  # type: ignore[arg-type]
         assert [s["index"] for s in recorder.seen] == [(0, 1, 2, 3)]
-
-
-@pytest.fixture
-def one_process_group() -> Iterator[None]:
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        time.sleep(0.05)  # let gloo's threads drop PowerSGD's callbacks (see test_ddp.py)
-        gc.collect()
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("one_process_group")

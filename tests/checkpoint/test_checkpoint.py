@@ -15,7 +15,7 @@ import kwplug
 from kwplug import checkpoint
 from kwplug.checkpoint import commit
 
-WORKER = Path(__file__).parent / "workers" / "resume.py"
+WORKER = Path(__file__).parents[1] / "workers" / "resume.py"
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

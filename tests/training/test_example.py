@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 from torchrun import torchrun
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
 MIN_ACCURACY = 0.95
 RESULT_LINE = re.compile(r"^(\w+)=(\S+)$")
 

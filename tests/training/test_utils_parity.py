@@ -23,7 +23,7 @@ from kwplug.utils import operations, structures
 
 accelerate_utils = pytest.importorskip("accelerate.utils")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

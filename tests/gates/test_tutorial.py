@@ -13,7 +13,7 @@ import pytest
 from plugin_site import pip_install
 from torchrun import torchrun
 
-PAGE = Path(__file__).parent.parent / "docs" / "writing-plugins.md"
+PAGE = Path(__file__).parents[2] / "docs" / "writing-plugins.md"
 # A file of the tutorial: a line "`path`:", a blank line, then a fenced block.
 FILE_BLOCK = re.compile(r"^`([\w./-]+)`:\n\n```\w+\n(.*?)^```", re.S | re.M)
 

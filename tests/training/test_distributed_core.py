@@ -8,7 +8,7 @@ from typing import Any
 
 from torchrun import torchrun
 
-WORKERS = Path(__file__).parent / "workers"
+WORKERS = Path(__file__).parents[1] / "workers"
 
 
 def results(stdout: str) -> list[dict[str, Any]]:
