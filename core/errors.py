@@ -10,6 +10,7 @@ attributes (``BaseException`` keeps an instance's ``__dict__`` across ``pickle``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 
@@ -100,6 +101,18 @@ class ConfigError(KwplugError, ValueError):
         self.key = key
 
 
+class CheckpointError(KwplugError, ValueError):
+    """A checkpoint cannot be saved or loaded; the message names the file and what is wrong.
+
+    Attributes:
+        file: the file or directory concerned (``str``), or ``None``.
+    """
+
+    def __init__(self, message: str, file: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(message)
+        self.file = None if file is None else os.fspath(file)
+
+
 class DistributedRunError(KwplugError, AssertionError):
     """A ``kwplug.testing`` distributed run failed: the message holds the failing rank's
     traceback and the tail of the job's output (an ``AssertionError``, so pytest reports it as
@@ -115,6 +128,7 @@ class DistributedRunError(KwplugError, AssertionError):
 
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "DistributedRunError",
     "KwplugError",

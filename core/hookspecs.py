@@ -257,7 +257,7 @@ class HandlerSpec:
 
         Returns:
             A mapping of tensors, NumPy arrays and JSON values (saved on each rank;
-            checkpoints hold no pickles, see ``kwplug.checkpoint.codec``), or ``None``
+            checkpoints hold no pickles, see ``kwplug.checkpoint._codec``), or ``None``
             when there is nothing to save.
 
         Called by: ``Accelerator.save_state`` on every rank; the answers are stored by the

@@ -13,7 +13,7 @@ from torchrun import torchrun
 
 import kwplug
 from kwplug import checkpoint
-from kwplug.checkpoint import commit
+from kwplug.checkpoint import _commit as commit
 
 WORKER = Path(__file__).parents[1] / "workers" / "resume.py"
 

@@ -19,7 +19,10 @@ import torch
 
 import kwplug
 from kwplug import checkpoint
-from kwplug.checkpoint import CheckpointError, codec, layout, manifest
+from kwplug.checkpoint import CheckpointError
+from kwplug.checkpoint import _codec as codec
+from kwplug.checkpoint import _layout as layout
+from kwplug.checkpoint import _manifest as manifest
 
 
 class Counter:
@@ -271,7 +274,7 @@ def test_unstorable_state_is_refused_when_saving(tmp_path: Path) -> None:
 HOLD = """
 import sys, time
 from pathlib import Path
-from kwplug.checkpoint import lock
+from kwplug.checkpoint import _lock as lock
 with lock.locked(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(60)

@@ -20,6 +20,7 @@ BUILTIN_BASES = {
     errors.PluginHookError: RuntimeError,
     errors.PluginConflictError: RuntimeError,
     errors.ConfigError: ValueError,
+    errors.CheckpointError: ValueError,
     errors.DistributedRunError: AssertionError,
     errors.PluginLoadWarning: UserWarning,
 }

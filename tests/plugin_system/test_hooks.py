@@ -14,7 +14,7 @@ import torch
 
 import kwplug
 from kwplug import KwargsHandler, checkpoint, hookimpl
-from kwplug.checkpoint import codec
+from kwplug.checkpoint import _codec as codec
 
 
 def test_hook_autocast() -> None:

@@ -21,7 +21,8 @@ import torch
 
 import kwplug
 from kwplug import checkpoint
-from kwplug.checkpoint import commit, layout
+from kwplug.checkpoint import _commit as commit
+from kwplug.checkpoint import _layout as layout
 
 
 class Counter:

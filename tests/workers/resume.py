@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import kwplug
 from kwplug import DistributedDataParallelKwargs
-from kwplug.checkpoint import commit
+from kwplug.checkpoint import _commit as commit
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ A checkpoint directory ``DIR`` (which may hold anything else too)::
         COMPLETE                    written last: a version without it does not exist
     .kwplug-trash-<n>-<pid>/      a version being deleted (never read)
 
-Every ``.safetensors`` file is written by :mod:`kwplug.checkpoint.codec` (no pickles).
+Every ``.safetensors`` file is written by :mod:`kwplug.checkpoint._codec` (no pickles).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from kwplug.checkpoint import layout
-from kwplug.checkpoint.errors import CheckpointError
+from kwplug.checkpoint import _layout as layout
+from kwplug.errors import CheckpointError
 
 
 def _holder(path: Path) -> str:

@@ -9,8 +9,9 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from kwplug.checkpoint import codec, layout
-from kwplug.checkpoint.errors import CheckpointError
+from kwplug.checkpoint import _codec as codec
+from kwplug.checkpoint import _layout as layout
+from kwplug.errors import CheckpointError
 
 #: A file's record: ``(size in bytes, sha256 hex)``.
 Record = tuple[int, str]

@@ -9,9 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kwplug.checkpoint import checks, codec, commit, layout, lock, manifest, plan
-from kwplug.checkpoint.errors import CheckpointError
-from kwplug.checkpoint.stateful import ShardedModelState, ShardedOptimizerState
+from kwplug.checkpoint import _checks as checks
+from kwplug.checkpoint import _codec as codec
+from kwplug.checkpoint import _commit as commit
+from kwplug.checkpoint import _layout as layout
+from kwplug.checkpoint import _lock as lock
+from kwplug.checkpoint import _manifest as manifest
+from kwplug.checkpoint import _plan as plan
+from kwplug.checkpoint._stateful import ShardedModelState, ShardedOptimizerState
+from kwplug.errors import CheckpointError
 
 if TYPE_CHECKING:
     from kwplug.accelerator import Accelerator

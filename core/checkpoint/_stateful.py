@@ -4,7 +4,7 @@ and ``load_state_dict(state)``), and the registry through which wrapper plugins 
 per-rank state (e.g. a DDP communication hook's) to the checkpoint code.
 
 Adding something to checkpoints means one adapter here and one entry in
-:func:`kwplug.checkpoint.plan.entries`.
+:func:`kwplug.checkpoint._plan.entries`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
-from kwplug.checkpoint import rng, sharded
-from kwplug.checkpoint.errors import CheckpointError
+from kwplug.checkpoint import _rng as rng
+from kwplug.checkpoint import _sharded as sharded
 from kwplug.data import PreparedDataLoader
+from kwplug.errors import CheckpointError
 
 _ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
@@ -63,7 +64,7 @@ def hook_state_dict(state: Any) -> Any:
 
     States with ``state_dict()`` use it; PowerSGD's state through ``__getstate__`` (which
     leaves out the process group). Either must hold only what
-    :mod:`kwplug.checkpoint.codec` stores (PowerSGD's NumPy random state is).
+    :mod:`kwplug.checkpoint._codec` stores (PowerSGD's NumPy random state is).
     """
     if state is None or isinstance(state, torch.distributed.ProcessGroup):
         return None

@@ -1,11 +1,11 @@
 """The commit protocol: how a checkpoint directory is written, found and replaced.
 
 A checkpoint directory ``DIR`` may hold anything else (logs, the training script): kwplug
-only ever creates, and deletes, the names of :mod:`kwplug.checkpoint.layout`. Each save is a
+only ever creates, and deletes, the names of :mod:`kwplug.checkpoint._layout`. Each save is a
 new version folder ``DIR/kwplug-<n>`` (``n`` one more than any version there), committed in
 named steps, in this order (:data:`STEPS`):
 
-1. ``lock``: take ``DIR/.kwplug.lock`` (:mod:`kwplug.checkpoint.lock`).
+1. ``lock``: take ``DIR/.kwplug.lock`` (:mod:`kwplug.checkpoint._lock`).
 2. ``clean``: delete versions without a marker and trash left by killed saves.
 3. ``stage``: create ``DIR/kwplug-<n>``; every rank writes its files into it.
 4. ``manifest``: rank 0 writes ``MANIFEST.json`` (every file, its size and sha256).
@@ -26,8 +26,9 @@ import os
 import shutil
 from pathlib import Path
 
-from kwplug.checkpoint import codec, layout
-from kwplug.checkpoint.errors import CheckpointError
+from kwplug.checkpoint import _codec as codec
+from kwplug.checkpoint import _layout as layout
+from kwplug.errors import CheckpointError
 
 STEPS = ("lock", "clean", "stage", "manifest", "mark", "prune", "unlock")
 
@@ -110,7 +111,7 @@ def begin(directory: Path) -> Path:
 
 def finish(staging: Path, records: dict[str, tuple[int, str]]) -> None:
     """Steps ``manifest``, ``mark`` and ``prune`` (the lock is held)."""
-    from kwplug.checkpoint import manifest
+    from kwplug.checkpoint import _manifest as manifest
 
     reached("manifest")
     manifest.write(staging, records)

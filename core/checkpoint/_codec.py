@@ -20,7 +20,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from kwplug.checkpoint.errors import CheckpointError
+from kwplug.errors import CheckpointError
 
 META_KEY = "kwplug"
 _SCALARS = (type(None), bool, int, float, str)

@@ -1,5 +1,5 @@
 """Does a saved state fit the object it is about to be loaded into? Each check raises one
-:class:`~kwplug.checkpoint.errors.CheckpointError` naming the file and what is wrong."""
+:class:`~kwplug.errors.CheckpointError` naming the file and what is wrong."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kwplug.checkpoint.errors import CheckpointError
+from kwplug.errors import CheckpointError
 
 
 def _shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -1,6 +1,6 @@
 """What a checkpoint holds: one entry per file, each an object with torch's ``Stateful``
 protocol. To add something to checkpoints, add its entry in :func:`entries` (and, if it is
-not ``Stateful`` already, an adapter in :mod:`kwplug.checkpoint.stateful`)."""
+not ``Stateful`` already, an adapter in :mod:`kwplug.checkpoint._stateful`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from kwplug.checkpoint import layout, sharded
-from kwplug.checkpoint.checks import qualified_name
-from kwplug.checkpoint.stateful import (
+from kwplug.checkpoint import _layout as layout
+from kwplug.checkpoint import _sharded as sharded
+from kwplug.checkpoint._checks import qualified_name
+from kwplug.checkpoint._stateful import (
     RankState,
     ShardedModelState,
     ShardedOptimizerState,
