@@ -35,7 +35,7 @@ def _lower(value: Any) -> Any:
     return value.strip().lower() if isinstance(value, str) else value
 
 
-def _check_backend(instance: Any, attribute: attrs.Attribute[str | None], value: Any) -> None:
+def _check_backend(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None:  # torch then picks each device's default backend
         return
     if isinstance(value, str) and not value:
