@@ -52,7 +52,8 @@ class GeneralTracker:
         if missing:
             raise NotImplementedError(
                 f"{type(self).__name__} is missing the required tracker attribute(s) "
-                f"{', '.join(missing)}; define them in the class (see kwplug.tracking.GeneralTracker)"
+                f"{', '.join(missing)}; define them in the class (see "
+                "kwplug.tracking.GeneralTracker)"
             )
 
     @classmethod

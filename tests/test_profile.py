@@ -133,9 +133,7 @@ def test_to_kwargs_only_changed_fields(tmp_path: Path) -> None:
 def test_activities_normalised(cpu_only: None) -> None:
     # Kept as given (Accelerate's field); normalised only when the profiler is built.
     assert ProfileKwargs(activities=["CPU", " cpu"]).activities == ["CPU", " cpu"]
-    assert ProfileKwargs(activities=["CPU", " cpu"]).resolved_activities() == [
-        ProfilerActivity.CPU
-    ]
+    assert ProfileKwargs(activities=["CPU", " cpu"]).resolved_activities() == [ProfilerActivity.CPU]
     assert ProfileKwargs(activities=("cpu",)).activities == ("cpu",)
     assert ProfileKwargs(activities=[ProfilerActivity.CPU]).activities == [ProfilerActivity.CPU]
     assert ProfileKwargs(activities=["cpu"]).to_kwargs() == {"activities": ["cpu"]}

@@ -77,8 +77,8 @@ class _Trackers:
         for item in items:
             if not isinstance(item, (str, GeneralTracker)):
                 raise TypeError(
-                    "log_with must be a tracker name, 'all', a kwplug.tracking.GeneralTracker or a list "
-                    f"of those, got {type(item).__name__}"
+                    "log_with must be a tracker name, 'all', a kwplug.tracking.GeneralTracker "
+                    f"or a list of those, got {type(item).__name__}"
                 )
         factories: dict[str, TrackerFactory] = {}
         if any(isinstance(item, str) for item in items):

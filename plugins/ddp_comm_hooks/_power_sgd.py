@@ -33,6 +33,7 @@ POWER_SGD_OPTIONS: tuple[str, ...] = tuple(
 _COUNT = number(integer=True, ge=1)
 _RATE = number(ge=0, finite=False)
 
+
 def _check_start_iter(options: Mapping[str, Any]) -> None:
     # PowerSGDState itself refuses this, but only when prepare() builds the state; refusing it
     # here makes the mistake surface at DistributedDataParallelKwargs(...) instead.
