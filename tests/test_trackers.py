@@ -235,3 +235,29 @@ def test_trackers_run_on_the_main_process_only(tmp_path: Path) -> None:
     assert results == [(0, False, 1), (1, True, 0)]
     lines = (tmp_path / "run" / "log.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == [{"step": 0, "rank": 0}]
+
+
+def _log_a_run(accelerator: Any) -> None:
+    # What Accelerate's by_feature/tracking.py logs: a config, then per epoch a float
+    # accuracy/f1, a float train_loss (from a tensor's .item()) and an int epoch.
+    accelerator.init_trackers("tracking", {"lr": 2e-5, "num_epochs": 2, "seed": 42})
+    for epoch in range(2):
+        loss = torch.tensor(0.5 / (epoch + 1))
+        values = {"accuracy": 0.75 + epoch / 10, "train_loss": loss.item(), "epoch": epoch}
+        accelerator.log(values, step=epoch)
+    accelerator.end_training()
+
+
+def test_tensorboard_run_matches_accelerate(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    import accelerate
+
+    try:
+        _log_a_run(
+            accelerate.Accelerator(cpu=True, log_with="tensorboard", project_dir=tmp_path / "a")
+        )
+    finally:
+        accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    _log_a_run(kwplug.Accelerator(cpu=True, log_with="tensorboard", project_dir=tmp_path / "k"))
+    theirs, ours = _scalars(tmp_path / "a" / "tracking"), _scalars(tmp_path / "k" / "tracking")
+    assert ours == theirs and set(ours) == {"accuracy", "train_loss", "epoch"}
