@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 import kwplug
 from kwplug import KwargsHandler, hookimpl
 from kwplug.accelerator import _saving
+from kwplug.testing import run_distributed
 
 
 class Tied(torch.nn.Module):
@@ -162,3 +164,63 @@ def test_hook_unwrap_model(tmp_path: Path) -> None:
     assert accelerator.unwrap_model(Wrapper(Wrapper(net))) is net
     accelerator.save_model(prepared, tmp_path)
     assert set(load_file(tmp_path / "model.safetensors")) == set(net.state_dict()) - {"head.weight"}
+
+
+class Plain(torch.nn.Module):
+    """No tied weights: FSDP2 shards every parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 16)
+        self.second = torch.nn.Linear(16, 4)
+
+
+def save_wrapped(directory: str, wrapper: str) -> dict[str, Any]:
+    """Rank body: prepare a model (DDP, or FSDP2 through kwplug-fsdp), save it; rank 0 reports
+    what it wrote and what the unwrapped model's state is."""
+    handlers: list[KwargsHandler] = []
+    if wrapper == "fsdp2":
+        from kwplug_fsdp import FullyShardedKwargs
+
+        handlers.append(FullyShardedKwargs(shard_modules=(torch.nn.Linear,)))
+    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=handlers)
+    torch.manual_seed(0)
+    net = Plain()
+    expected = {k: v.clone() for k, v in net.state_dict().items()}
+    prepared = accelerator.prepare(net)
+    state = accelerator.get_state_dict(prepared)
+    accelerator.save_model(prepared, directory, max_shard_size=400)
+    accelerator.wait_for_everyone()
+    result = {
+        "unwrapped": accelerator.unwrap_model(prepared) is net,
+        "keys": sorted(state),
+        "files": sorted(os.listdir(directory)) if os.path.isdir(directory) else [],
+    }
+    if accelerator.is_main_process:
+        saved: dict[str, torch.Tensor] = {}
+        for name in result["files"]:
+            if name.endswith(".safetensors"):
+                saved.update(load_file(os.path.join(directory, name)))
+        result["equal"] = saved.keys() == expected.keys() and all(
+            torch.equal(saved[k], expected[k]) for k in expected
+        )
+    accelerator.end_training()
+    return result
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_save_model_of_distributed_wrappers(tmp_path: Path, wrapper: str) -> None:
+    if wrapper == "fsdp2":
+        pytest.importorskip("kwplug_fsdp")
+    directory = str(tmp_path / "model")
+    rank0, rank1 = run_distributed(save_wrapped, directory, wrapper, nproc=2, timeout=240)
+    assert rank0["unwrapped"] and rank1["unwrapped"]
+    assert rank0["equal"] is True
+    assert rank0["keys"] == ["first.bias", "first.weight", "second.bias", "second.weight"]
+    assert rank0["files"] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    if wrapper == "fsdp2":  # the full state dict is gathered to rank 0 only
+        assert rank1["keys"] == []
