@@ -43,6 +43,9 @@ class GeneralTracker:
 
     #: Accelerate's flag; kwplug runs every tracker on the main process only.
     main_process_only: ClassVar[bool] = True
+    # Declared, not defined: a subclass must define them (checked in __init__).
+    name: ClassVar[str]
+    requires_logging_directory: ClassVar[bool]
 
     def __init__(self, _blank: bool = False) -> None:
         if _blank:

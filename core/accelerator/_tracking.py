@@ -145,7 +145,7 @@ class _Trackers:
         """Log ``values`` to every started tracker (none exist off the main process)."""
         log_kwargs = log_kwargs or {}
         for tracker in self.started:
-            tracker.log(values, step=step, **log_kwargs.get(tracker.name, {}))  # type: ignore[attr-defined]
+            tracker.log(values, step=step, **log_kwargs.get(tracker.name, {}))
 
     def get(self, name: str, unwrap: bool) -> Any:
         """The started tracker called ``name`` (its ``tracker`` object when ``unwrap``); off the
