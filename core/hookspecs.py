@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from kwplug.comm_hooks import CommHook
+    from kwplug.tracking import TrackerFactory
 
 PROJECT_NAME = "kwplug"
 
@@ -223,6 +224,40 @@ class HandlerSpec:
 
         Called by: ``Accelerator.__init__`` once; the merged mapping is passed to
         :meth:`wrap_model`. ``firstresult``: no (every plugin's answer is collected).
+        """
+
+    @spec(ADDITIVE)
+    def trackers(self) -> Mapping[str, TrackerFactory] | None:
+        """Contribute named experiment trackers (see :mod:`kwplug.tracking`).
+
+        Returns:
+            A mapping of tracker name (what ``Accelerator(log_with=...)`` and
+            ``get_tracker`` use) to a :data:`kwplug.tracking.TrackerFactory`, usually a
+            :class:`kwplug.tracking.GeneralTracker` subclass; or ``None``. Names are additive across
+            plugins; a name given twice is an error naming both sources.
+
+        Called by: ``Accelerator.__init__`` once, only when ``log_with`` names a tracker (or
+        ``"all"``); the factories are called later by ``init_trackers`` on the main process.
+        ``firstresult``: no (every plugin's answer is collected).
+        """
+
+    @spec(PER_PLUGIN)
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """Take off one layer of a model wrapper this plugin added.
+
+        Args:
+            model: a prepared model, or a module found inside one.
+
+        Returns:
+            The module ``model`` wraps when ``model`` is this plugin's wrapper, else ``None``.
+            The core peels torch's own wrappers itself (``DistributedDataParallel``,
+            ``DataParallel``, ``torch.compile``'s ``_orig_mod``); a wrapper that changes the
+            module in place (FSDP2's ``fully_shard``) needs no answer.
+
+        Called by: ``Accelerator.unwrap_model`` (and ``get_state_dict``/``save_model``),
+        repeatedly until neither the core nor any plugin unwraps further; the first non-``None``
+        answer in precedence order is used. ``firstresult``: no (every plugin is asked, so that
+        two wrapper plugins never conflict).
         """
 
     @spec(EVERY)

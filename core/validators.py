@@ -162,6 +162,8 @@ class OptionSchema:
             ``accepted``.
         accepted_item: template of one accepted name in ``{accepted}``, with ``key`` and
             ``default`` (e.g. ``"{key} (default {default!r})"``); default ``"{key!r}"``.
+        relations: checks across options, each called with the checked values (a dict) once
+            every value passed its validator; each raises ``ValueError`` naming the options.
     """
 
     validators: Mapping[str, Validator]
@@ -173,6 +175,7 @@ class OptionSchema:
     unknown: str = "unknown option(s) {names} in {name}; accepted: {accepted}"
     missing: str = "{name} needs the option(s) {names}; accepted: {accepted}"
     accepted_item: str = "{key!r}"
+    relations: tuple[Callable[[Mapping[str, Any]], None], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -198,8 +201,8 @@ class OptionSchema:
 
         Raises:
             TypeError: ``options`` is not a mapping, or a value's type is refused.
-            ValueError: an unknown or missing key (the message lists the accepted names), or a
-                value out of range.
+            ValueError: an unknown or missing key (the message lists the accepted names), a
+                value out of range, or values that one of :attr:`relations` refuses together.
         """
         if not isinstance(options, Mapping):
             raise TypeError(
@@ -219,4 +222,6 @@ class OptionSchema:
             if validator is not None:
                 place = _OptionKey(self.label.format(name=self.name, key=key))
                 validator(None, cast("attrs.Attribute[Any]", place), value)
+        for relation in self.relations:
+            relation(values)
         return values

@@ -9,6 +9,7 @@ Single process (CPU, or the GPU when there is one)::
     python examples/train_digits.py
     python examples/train_digits.py --mixed-precision bf16
     python examples/train_digits.py --mixed-precision fp16      # with a GradScaler
+    python examples/train_digits.py --log-with tensorboard    # then: tensorboard --logdir runs
 
 Two processes on the CPU (gloo), gradients all-reduced in bfloat16, the first training steps
 profiled (each rank writes one Chrome trace into ``traces/``, open it in chrome://tracing or
@@ -107,6 +108,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="profile the first training steps; each rank writes one Chrome trace here",
     )
+    parser.add_argument(
+        "--log-with",
+        default=None,
+        metavar="TRACKER",
+        help="log train_loss/test_accuracy per epoch: tensorboard (needs kwplug[tensorboard]), "
+        "jsonl, all, or a name a tracker plugin contributes; files go to --project-dir",
+    )
+    parser.add_argument(
+        "--project-dir", default="runs", help="where trackers write (<dir>/train_digits)"
+    )
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument(
         "--checkpoint-dir",
@@ -188,9 +199,13 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
         # Only used under torchrun: fail fast instead of hanging 30 minutes on a dead peer.
         InitProcessGroupKwargs(timeout=timedelta(seconds=120)),
     ]
+    tracking = {"log_with": args.log_with, "project_dir": args.project_dir}
     if args.config is None:
         return Accelerator(
-            mixed_precision=args.mixed_precision or "no", cpu=args.cpu, kwargs_handlers=handlers
+            mixed_precision=args.mixed_precision or "no",
+            cpu=args.cpu,
+            kwargs_handlers=handlers,
+            **tracking,
         )
     # What Accelerator.from_config(args.config, **overrides) does, with the handler lists
     # merged: the file's handlers (any plugin, by entry-point name) replace the script's of
@@ -213,7 +228,7 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
         configured["mixed_precision"] = args.mixed_precision
     if args.cpu:
         configured["cpu"] = True
-    return Accelerator(**configured)
+    return Accelerator(**configured, **tracking)
 
 
 def describe_comm_hook(accelerator: Accelerator) -> str:
@@ -258,6 +273,9 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> tuple[float, bo
             ProfileKwargs(schedule_option=PROFILE_SCHEDULE, output_trace_dir=args.profile_dir)
         )
 
+    # Trackers exist on the main process only; elsewhere these calls do nothing.
+    config = {"lr": args.lr, "batch_size": args.batch_size, "epochs": args.epochs}
+    accelerator.init_trackers("train_digits", config=config)
     show_bar = accelerator.is_main_process and not args.no_progress
     accuracy = 0.0
     start = time.perf_counter()
@@ -290,6 +308,8 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> tuple[float, bo
             accelerator.print(
                 f"epoch {epoch + 1:>3}  train_loss={mean_loss:.4f}  test_accuracy={accuracy:.4f}"
             )
+            metrics = {"train_loss": mean_loss, "test_accuracy": accuracy}
+            accelerator.log(metrics, step=epoch + 1)
             progress.epoch = epoch + 1
             if args.checkpoint_dir is not None:
                 accelerator.save_state(args.checkpoint_dir)  # atomic: all or nothing
@@ -314,8 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     accuracy, identical = train(accelerator, args)
     accelerator.print(f"final_accuracy={accuracy:.4f}")
-    # The model trained in train() is unreachable now; end_training() collects it (DDP's
-    # reducer) before destroying the process group.
+    # The model trained in train() is unreachable now; end_training() finishes the trackers
+    # and collects the model (DDP's reducer) before destroying the process group.
     accelerator.end_training()
     return 0 if identical else 1
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kwplug.plugins.grad_scaler import GradScalerKwargs
     from kwplug.plugins.process_group import InitProcessGroupKwargs
     from kwplug.plugins.profile import ProfileKwargs
+    from kwplug.plugins.trackers import JSONLinesTracker, TensorBoardTracker
 
 #: Re-exported name -> the module (in this package) defining it.
 _EXPORTS: dict[str, str] = {
@@ -29,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "GradScalerKwargs": "grad_scaler",
     "InitProcessGroupKwargs": "process_group",
     "ProfileKwargs": "profile",
+    "JSONLinesTracker": "trackers",
+    "TensorBoardTracker": "trackers",
 }
 
 __all__ = [
@@ -37,7 +40,9 @@ __all__ = [
     "DistributedDataParallelKwargs",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
+    "JSONLinesTracker",
     "ProfileKwargs",
+    "TensorBoardTracker",
 ]
 
 

@@ -35,15 +35,17 @@ def _lower(value: Any) -> Any:
     return value.strip().lower() if isinstance(value, str) else value
 
 
-def _check_backend(instance: Any, attribute: attrs.Attribute[str], value: Any) -> None:
+def _check_backend(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:  # torch then picks each device's default backend
+        return
     if isinstance(value, str) and not value:
         raise ValueError(
             f"'{attribute.name}' must not be empty: give a backend name such as 'nccl', 'gloo'"
         )
     if not isinstance(value, str):
         raise TypeError(
-            f"'{attribute.name}' must be a backend name (str) such as 'nccl', 'gloo', 'mpi', "
-            f"'xccl', got {value!r}"
+            f"'{attribute.name}' must be None or a backend name (str) such as 'nccl', 'gloo', "
+            f"'mpi', 'xccl', got {value!r}"
         )
     if ":" in value:  # "cpu:gloo,cuda:nccl" device-to-backend maps are passed through
         return
@@ -89,7 +91,8 @@ class InitProcessGroupKwargs(KwargsHandler):
             means "nccl on CUDA, the device's own
             default otherwise" (gloo on CPU, from ``torch.distributed.Backend.
             default_device_backend_map``); any other backend (``"gloo"``, ``"mpi"``, ...) is
-            used as given.
+            used as given. ``None`` lets torch pick every device's default backend
+            (``init_process_group(backend=None)``: gloo for CPU tensors, nccl for CUDA ones).
         init_method: ``str`` URL or ``None`` (default: ``"env://"``, torchrun's variables).
         timeout: ``datetime.timedelta``, seconds (``int``/``float``) or ``None``: how long
             collectives and the rendezvous may wait before failing. ``None`` resolves at
@@ -102,7 +105,7 @@ class InitProcessGroupKwargs(KwargsHandler):
         ValueError: an unknown backend or a non-positive timeout.
     """
 
-    backend: str = attrs.field(
+    backend: str | None = attrs.field(
         default=DEFAULT_BACKEND,
         converter=_lower,
         validator=_check_backend,
@@ -127,23 +130,39 @@ class InitProcessGroupKwargs(KwargsHandler):
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "timeout", self._resolve(self.timeout))
 
-    def _resolve(self, timeout: timedelta | None, backend: str | None = None) -> timedelta:
+    def _resolve(self, timeout: timedelta | None, *backend: str | None) -> timedelta:
         self._timeout_resolved = timeout is None
-        return self.default_timeout(backend or self.backend) if timeout is None else timeout
+        return self.default_timeout(*backend or (self.backend,)) if timeout is None else timeout
 
-    def _backend_changed(self, backend: str) -> str:
+    def _backend_changed(self, backend: str | None) -> str | None:
         if self._timeout_resolved:  # keep "None means the backend's default" true
             object.__setattr__(self, "timeout", self._resolve(None, backend))
         return backend
 
     @staticmethod
-    def default_timeout(backend: str) -> timedelta:
-        """The timeout ``None`` resolves to: 600 s for nccl, 1800 s for other backends."""
+    def default_timeout(backend: str | None) -> timedelta:
+        """The timeout ``None`` resolves to: 600 s for nccl, 1800 s for other backends and
+        for ``backend=None`` (torch's ``default_pg_timeout``)."""
         return _NCCL_TIMEOUT if backend == "nccl" else _OTHER_TIMEOUT
 
-    def resolved_backend(self, device_type: str) -> str:
+    def to_kwargs(self) -> dict[str, Any]:
+        """The fields that differ from ``InitProcessGroupKwargs()``, with ``timeout`` exactly
+        when it was given (as Accelerate, whose default is the unresolved ``timeout=None``).
+
+        ``InitProcessGroupKwargs(backend="gloo", timeout=timedelta(seconds=600))`` keeps its
+        600 s although that equals the nccl default, so a user who passes ``to_kwargs()`` to
+        torch gets the timeout they set; a resolved timeout is left to torch's own default.
+        """
+        kwargs = super().to_kwargs()
+        kwargs.pop("timeout", None)
+        if not self._timeout_resolved:
+            kwargs["timeout"] = self.timeout
+        return kwargs
+
+    def resolved_backend(self, device_type: str) -> str | None:
         """The backend used on ``device_type``: the device's default for the default
-        ``"nccl"`` on a device without NCCL (``"gloo"`` on CPU), else ``backend``."""
+        ``"nccl"`` on a device without NCCL (``"gloo"`` on CPU), else ``backend`` (``None``:
+        torch picks per device)."""
         if self.backend == DEFAULT_BACKEND and device_type != "cuda":
             return dist.Backend.default_device_backend_map.get(device_type, "gloo")
         return self.backend

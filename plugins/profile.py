@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -58,6 +58,8 @@ def _normalize_activities(value: Any) -> Any:
 def _check_activities(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
+    # The field keeps the user's list (as Accelerate does); the checks read its normal form.
+    value = _normalize_activities(value)
     accepted = ", ".join(map(repr, ACTIVITY_NAMES))
     if isinstance(value, (str, ProfilerActivity)):
         raise TypeError(
@@ -158,9 +160,8 @@ class ProfileKwargs(KwargsHandler):
     ``prof.key_averages()`` and ``prof.export_chrome_trace(path)`` read the results of the last
     recorded cycle.
 
-    :meth:`to_kwargs` returns the fields that differ from ``ProfileKwargs()``, after
-    normalisation (``activities=["CPU"]`` is reported as ``("cpu",)``), including the
-    kwplug-only ``output_trace_dir``.
+    :meth:`to_kwargs` returns the fields that differ from ``ProfileKwargs()`` (``activities``
+    as the user gave it), including the kwplug-only ``output_trace_dir``.
 
     Attributes:
         activities: ``None`` (default) or a list/tuple of activity names among ``"cpu"``,
@@ -168,7 +169,8 @@ class ProfileKwargs(KwargsHandler):
             members are accepted too). Maps to ``torch.profiler.profile(activities=...)`` as
             ``ProfilerActivity.CPU``, ``.CUDA``, ... ``None`` means CPU plus the activity of
             the Accelerator's device when that device is not the CPU and its activity is
-            available. Stored as a lower-case tuple without duplicates.
+            available. Stored as given (the same list, as Accelerate keeps it); names are
+            case-insensitive and duplicates are ignored when the profiler is built.
         schedule_option: ``None`` (default: record every step from entry to exit as one trace)
             or a ``dict`` of ``int`` step counts with keys among ``"wait"``, ``"warmup"``,
             ``"active"`` (required, >= 1), ``"repeat"``, ``"skip_first"`` (each >= 0,
@@ -220,8 +222,8 @@ class ProfileKwargs(KwargsHandler):
         "hpu": "hpu",
     }
 
-    activities: tuple[str, ...] | None = attrs.field(
-        default=None, converter=_normalize_activities, validator=_check_activities
+    activities: Sequence[str | ProfilerActivity] | None = attrs.field(
+        default=None, validator=_check_activities
     )
     schedule_option: dict[str, int] | None = attrs.field(
         default=None, converter=_copy_mapping, validator=_check_schedule_option
@@ -240,7 +242,7 @@ class ProfileKwargs(KwargsHandler):
         """The ``ProfilerActivity`` list passed to torch for an Accelerator on
         ``device_type``: ``activities`` as given, or CPU plus the device's activity."""
         if self.activities is not None:
-            names: tuple[str, ...] = self.activities
+            names: tuple[str, ...] = _normalize_activities(self.activities)
         else:
             names = ("cpu",)
             device_activity = self.DEVICE_ACTIVITY.get(device_type)

@@ -15,13 +15,16 @@ from torch.utils.data import DataLoader
 
 from kwplug import checkpoint
 from kwplug._plugins import Answer, KwplugPluginManager
-from kwplug.accelerator import _ops
-from kwplug.accelerator._prepare import _Prepared, unwrap_model
+from kwplug.accelerator import _ops, _saving
+from kwplug.accelerator._prepare import _Prepared
 from kwplug.accelerator._setup import _Setup, resolve
+from kwplug.accelerator._tracking import LogWith, _Trackers, project_configuration
 from kwplug.comm_hooks import CommHook
 from kwplug.environment import end_process_group
 from kwplug.handler import KwargsHandler
 from kwplug.optimizer import ScaledOptimizer
+from kwplug.tracking import GeneralTracker
+from kwplug.utils import ProjectConfiguration
 
 
 class Accelerator:
@@ -41,6 +44,12 @@ class Accelerator:
         kwargs_handlers: handler instances (``AutocastKwargs``, ``DistributedDataParallelKwargs``,
             ``GradScalerKwargs``, ``InitProcessGroupKwargs``, ``ProfileKwargs``, a subclass of
             one, or a third-party handler), at most one per class.
+        log_with: trackers for :meth:`log`: a name a plugin contributes (built in:
+            ``"tensorboard"``, ``"jsonl"``), ``"all"`` (every available one), a
+            :class:`kwplug.tracking.GeneralTracker` instance, or a list of those; default none.
+        project_dir: folder for checkpoints and (unless ``project_config`` sets
+            ``logging_dir``) trackers' logs; overrides ``project_config.project_dir``.
+        project_config: a :class:`kwplug.utils.ProjectConfiguration` (default: a new one).
 
     Attributes:
         device: the ``torch.device`` this process trains on (``device_type``: its type).
@@ -56,7 +65,9 @@ class Accelerator:
         ValueError: ``mixed_precision`` is not one of ``"no"``, ``"fp16"``, ``"bf16"``; two
             handlers share a class; a torchrun variable is malformed.
         TypeError: ``cpu`` is not a bool; ``kwargs_handlers`` holds something that is not a
-            handler instance.
+            handler instance; ``log_with`` holds something else than names and trackers.
+        ValueError: (also) an unknown tracker name (lists the available ones), or a tracker
+            writing files while no ``project_dir``/``logging_dir`` is set.
         RuntimeError: ``WORLD_SIZE > 1`` but no plugin initialised the process group.
         kwplug.errors.PluginConflictError: two third-party plugins registered by default
             both claim a one-answer hook for this device (see :mod:`kwplug.hookspecs`).
@@ -67,6 +78,9 @@ class Accelerator:
         mixed_precision: Literal["no", "fp16", "bf16"] | str = "no",
         cpu: bool = False,
         kwargs_handlers: Sequence[KwargsHandler] | None = None,
+        log_with: LogWith = None,
+        project_dir: str | os.PathLike[str] | None = None,
+        project_config: ProjectConfiguration | None = None,
     ) -> None:
         # Resolved once; the public attributes below are read-only by convention.
         self._setup: _Setup = resolve(mixed_precision, cpu, kwargs_handlers)
@@ -84,6 +98,10 @@ class Accelerator:
         self.comm_hooks: dict[str, CommHook] = setup.comm_hooks
         self.scaler: torch.amp.GradScaler | None = setup.scaler
         self._prepared = _Prepared(setup, self.plan)
+        self.project_configuration = project_configuration(project_dir, project_config)
+        self._trackers = _Trackers.resolve(
+            setup.plugins, log_with, self.logging_dir, self.is_main_process
+        )
 
     @classmethod
     def from_config(
@@ -160,10 +178,6 @@ class Accelerator:
     def prepare_data_loader(self, loader: DataLoader[Any], seed: int = 0) -> DataLoader[Any]:
         """Shard ``loader`` per rank (see :func:`kwplug.data.prepare_dataloader`)."""
         return self._prepared.data_loader(loader, seed)
-
-    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Return the user's module from inside DDP/DataParallel/``torch.compile`` wrappers."""
-        return unwrap_model(model)
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -333,7 +347,8 @@ class Accelerator:
         return checkpoint.load_state(self, input_dir)
 
     def end_training(self) -> None:
-        """Destroy the default process group (``torch.distributed.destroy_process_group``).
+        """Finish the trackers (main process), then destroy the default process group
+        (``torch.distributed.destroy_process_group``).
 
         The Accelerator drops its references to prepared objects and runs the garbage
         collector first: a DDP reducer collected after its process group is destroyed can
@@ -341,8 +356,80 @@ class Accelerator:
         exit (``atexit``), a distributed Accelerator's process collects garbage and destroys a
         process group that is still there (without it, gloo aborted about 2 exits in 5).
         """
+        self._trackers.finish()
         self._prepared.clear()
         end_process_group()
+
+    # -- trackers and saving (kwplug.accelerator._tracking, _saving) -------------------------
+
+    @property
+    def project_dir(self) -> str | None:
+        """``project_configuration.project_dir``."""
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        """``project_configuration.logging_dir``, where trackers write."""
+        return self.project_configuration.logging_dir
+
+    @property
+    def trackers(self) -> list[GeneralTracker]:
+        """The trackers :meth:`init_trackers` started (none off the main process)."""
+        return list(self._trackers.started)
+
+    def init_trackers(
+        self, project_name: str, config: Mapping[str, Any] | None = None, init_kwargs: Any = None
+    ) -> None:
+        """Start the ``log_with`` trackers on the main process, store ``config`` in each;
+        ``init_kwargs[name]`` goes to that tracker's factory (see :mod:`kwplug.tracking`)."""
+        self._trackers.init(project_name, config, init_kwargs)
+
+    def log(
+        self, values: Mapping[str, Any], step: int | None = None, log_kwargs: Any = None
+    ) -> None:
+        """Log ``values`` at ``step`` to every started tracker (main process only);
+        ``log_kwargs[name]`` goes to that tracker's ``log``."""
+        self._trackers.log(values, step, log_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The started tracker ``name`` (its ``tracker`` object when ``unwrap``); a do-nothing
+        ``GeneralTracker`` off the main process. Raises ``ValueError`` for an unknown name."""
+        return self._trackers.get(name, unwrap)
+
+    def unwrap_model(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True
+    ) -> torch.nn.Module:
+        """The user's module inside torch's wrappers and plugins' (``unwrap_model`` hook);
+        ``keep_fp32_wrapper`` is Accelerate's (kwplug never patches ``forward``)."""
+        return _saving.unwrap(model, self.plugin_manager)
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """The full state dict (a sharded model's gathered to rank 0, on the CPU)."""
+        return _saving.get_state_dict(model, self.plugin_manager, unwrap)
+
+    def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
+        """``torch.save`` (or safetensors) on the main process (each node's with
+        ``save_on_each_node``)."""
+        if self._writes_files:
+            _saving.save(obj, f, safe_serialization)
+
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike[str],
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Save the weights as Accelerate does (same files, same tensors; see
+        :mod:`kwplug.accelerator._saving`). Every rank calls it; the main process writes."""
+        state_dict = self.get_state_dict(model)
+        if self._writes_files:
+            _saving.save_model(state_dict, save_directory, max_shard_size, safe_serialization)
+
+    @property
+    def _writes_files(self) -> bool:
+        config = self.project_configuration
+        return self.is_local_main_process if config.save_on_each_node else self.is_main_process
 
     # -- internals: the prepared objects, and hook calls through the setup's plugins ----------
 

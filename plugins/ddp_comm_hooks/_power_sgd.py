@@ -33,6 +33,24 @@ POWER_SGD_OPTIONS: tuple[str, ...] = tuple(
 _COUNT = number(integer=True, ge=1)
 _RATE = number(ge=0, finite=False)
 
+
+def _check_start_iter(options: Mapping[str, Any]) -> None:
+    # PowerSGDState itself refuses this, but only when prepare() builds the state; refusing it
+    # here makes the mistake surface at DistributedDataParallelKwargs(...) instead.
+    start = options.get("start_powerSGD_iter", 1000)  # PowerSGDState's defaults
+    feedback = options.get("use_error_feedback", True)
+    warm = options.get("warm_start", True)
+    if start <= 1 and (feedback or warm):
+        enabled = " and ".join(
+            name for name, on in (("use_error_feedback", feedback), ("warm_start", warm)) if on
+        )
+        raise ValueError(
+            f"comm_state_option['start_powerSGD_iter'] must be > 1 when {enabled} is on "
+            f"(PowerSGDState requires it; both default to True), got {start}; set "
+            "start_powerSGD_iter >= 2, or turn use_error_feedback and warm_start off"
+        )
+
+
 #: What each PowerSGD option accepts (``comm_state_option``); an option only in
 #: :data:`POWER_SGD_OPTIONS` (a newer torch) is passed on unchecked. A rank of 0 would silently
 #: zero every gradient.
@@ -52,6 +70,7 @@ POWER_SGD_SCHEMA = OptionSchema(
     accepted=POWER_SGD_OPTIONS,
     unknown="unknown PowerSGD option(s) {names} in {name}; PowerSGDState accepts: {accepted}",
     accepted_item="{key}",
+    relations=(_check_start_iter,),
 )
 
 
@@ -97,7 +116,9 @@ def check_power_sgd_options(options: Mapping[str, Any]) -> None:
         ValueError: an unknown key (the message lists the accepted ones), or a value out of
             range (``matrix_approximation_rank``, ``start_powerSGD_iter`` and
             ``compression_stats_logging_frequency`` >= 1; ``min_compression_rate``,
-            ``orthogonalization_epsilon`` and ``random_seed`` >= 0).
+            ``orthogonalization_epsilon`` and ``random_seed`` >= 0), or
+            ``start_powerSGD_iter <= 1`` while ``use_error_feedback`` or ``warm_start`` is on
+            (both default to true).
         TypeError: a value of the wrong type (``bool`` is not a number here).
     """
     POWER_SGD_SCHEMA.check(options)

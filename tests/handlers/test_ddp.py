@@ -331,9 +331,9 @@ def test_bad_power_sgd_option_rejected_at_wrap() -> None:
 
 
 def test_start_power_sgd_iter_must_exceed_one() -> None:
-    handler = DDPK(comm_hook="power_sgd", comm_state_option={"start_powerSGD_iter": 1})
+    # Refused at construction now (tests/test_compat_points.py), not inside prepare().
     with pytest.raises(ValueError, match="start_powerSGD_iter"):
-        _wrap(handler)
+        DDPK(comm_hook="power_sgd", comm_state_option={"start_powerSGD_iter": 1})
 
 
 def test_registered_hook_options_reach_make_state() -> None:

@@ -46,10 +46,9 @@ def test_to_kwargs_only_differences() -> None:
     assert InitProcessGroupKwargs().timeout == timedelta(seconds=600)
     assert InitProcessGroupKwargs(backend="gloo").timeout == timedelta(seconds=1800)
     assert InitProcessGroupKwargs(timeout=30).to_kwargs() == {"timeout": timedelta(seconds=30)}
-    # The trap: a non-default backend with a timeout equal to nccl's default drops the timeout
-    # from to_kwargs -- which is why the process group is built from the resolved fields.
+    # A given timeout is kept even when it equals nccl's default (tests/test_compat_points.py).
     handler = InitProcessGroupKwargs(backend="gloo", timeout=timedelta(seconds=600))
-    assert handler.to_kwargs() == {"backend": "gloo"}
+    assert handler.to_kwargs() == {"backend": "gloo", "timeout": timedelta(seconds=600)}
     assert handler.timeout == timedelta(seconds=600)
 
 

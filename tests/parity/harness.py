@@ -32,7 +32,7 @@ RUN_TIMEOUT = float(os.environ.get("PARITY_TIMEOUT", "180"))
 # ``from accelerate import ...``, ``from accelerate.utils import ...``, ``from
 # accelerate.local_sgd import ...`` and ``import accelerate`` at the start of a line (any
 # indentation); nothing else in a script is touched.
-_RENAMED_MODULES = ("", ".utils", ".local_sgd")
+_RENAMED_MODULES = ("", ".utils", ".local_sgd", ".tracking")
 _IMPORT = re.compile(
     r"^(?P<indent>[ \t]*)(?:from[ \t]+accelerate(?P<sub>\.[\w.]+)?[ \t]+import\b"
     r"|import[ \t]+accelerate(?P<isub>\.[\w.]+)?\b)",

@@ -41,6 +41,11 @@ def test_rename_refuses_modules_kwplug_does_not_promise(line: str) -> None:
         harness.rename_imports(line)
 
 
+def test_tracking_import_renames() -> None:
+    line = "from accelerate.tracking import GeneralTracker\n"
+    assert harness.rename_imports(line) == "from kwplug.tracking import GeneralTracker\n"
+
+
 def test_every_port_renames_cleanly() -> None:
     for scenario in harness.SCENARIOS.values():
         renamed = harness.rename_imports((harness.SCRIPTS / f"{scenario.script}.py").read_text())

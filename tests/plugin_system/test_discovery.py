@@ -17,6 +17,7 @@ def test_builtins_are_discovered_with_their_hooks() -> None:
         "grad_scaler": ("make_scaler",),
         "init_process_group": ("init_process_group",),
         "profile": ("make_profiler",),
+        "trackers": ("trackers",),
     }
     assert all(
         r.status == "loaded" and r.source == "built-in" for r in records.values() if r.builtin

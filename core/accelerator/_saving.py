@@ -1,0 +1,219 @@
+"""``Accelerator.save``, ``save_model``, ``get_state_dict`` and ``unwrap_model``.
+
+``save_model`` writes what Accelerate's writes, file for file: ``model.safetensors`` (or
+``pytorch_model.bin``), or shards ``model-00001-of-0000N.safetensors`` with
+``model.safetensors.index.json`` when the weights exceed ``max_shard_size``. The split is the
+same greedy split as ``huggingface_hub.split_torch_state_dict_into_shards`` (which Accelerate
+calls), written here so that kwplug does not depend on the Hub client for thirty lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from kwplug._plugins import KwplugPluginManager
+from kwplug.accelerator._prepare import unwrap_model as unwrap_torch_wrappers
+from kwplug.checkpoint._sharded import full_model_state, is_sharded
+
+logger = logging.getLogger(__name__)
+
+SAFE_WEIGHTS_PATTERN = "model{suffix}.safetensors"
+WEIGHTS_PATTERN = "pytorch_model{suffix}.bin"
+_SHARD = re.compile(r"(.*?)-\d{5}-of-\d{5}")
+# Decimal units, as huggingface_hub.parse_size_to_int (so "10GB" splits where Accelerate does).
+_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+
+
+def unwrap(model: torch.nn.Module, plugins: KwplugPluginManager) -> torch.nn.Module:
+    """Peel every wrapper off ``model``: torch's own (DDP, DataParallel, ``torch.compile``)
+    here, any other through the plugins' ``unwrap_model`` hook, until nothing unwraps."""
+    while True:
+        model = unwrap_torch_wrappers(model)
+        inner = next(
+            (a for _, a in plugins.call_each("unwrap_model", model=model) if a is not None), None
+        )
+        if inner is None or inner is model:
+            return model
+        if not isinstance(inner, torch.nn.Module):
+            raise TypeError(f"hook unwrap_model returned {type(inner).__name__}, not a Module")
+        model = inner
+
+
+def get_state_dict(
+    model: torch.nn.Module, plugins: KwplugPluginManager, unwrap_first: bool
+) -> dict[str, torch.Tensor]:
+    """The model's full state dict: ``state_dict()`` of the unwrapped model, or for a sharded
+    model (``DTensor`` parameters, FSDP2) the full tensors gathered to rank 0 on the CPU
+    (other ranks get an empty dict)."""
+    if unwrap_first:
+        model = unwrap(model, plugins)
+    if is_sharded(model):
+        return cast("dict[str, torch.Tensor]", full_model_state(model))
+    return model.state_dict()
+
+
+def dedupe_shared(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``state_dict`` without aliases, every tensor contiguous (safetensors refuses
+    tensors sharing storage): of names sharing one storage (tied weights) the first is kept,
+    as Accelerate's ``clean_state_dict_for_safetensors`` does."""
+    seen: set[tuple[Any, ...]] = set()
+    removed = []
+    cleaned: dict[str, Any] = {}
+    for name, tensor in state_dict.items():
+        if isinstance(tensor, torch.Tensor):
+            key = _storage_key(tensor)
+            if key in seen:
+                removed.append(name)
+                continue
+            seen.add(key)
+            tensor = tensor.contiguous()
+        cleaned[name] = tensor
+    if removed:
+        logger.warning("Removed shared tensor(s) %s while saving (tied weights)", removed)
+    return cleaned
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an ``int``, or digits and a unit among TB, GB, MB, KB (decimal).
+
+    Raises:
+        ValueError: an unknown unit or an unparsable number.
+    """
+    if isinstance(size, int):
+        return size
+    text = size.strip()
+    unit = text[-2:].upper()
+    if unit not in _UNITS:
+        raise ValueError(f"max_shard_size: unit of {size!r} must be one of TB, GB, MB, KB")
+    try:
+        return int(float(text[:-2].strip()) * _UNITS[unit])
+    except ValueError:
+        raise ValueError(f"max_shard_size: cannot read the number in {size!r}") from None
+
+
+def split_shards(state_dict: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Names per shard, in order: a new shard starts when the next tensor would exceed
+    ``max_bytes``; a tensor larger than that gets a shard of its own; tensors sharing storage
+    go to the shard of the first of them (Accelerate's split, through huggingface_hub)."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    followers: dict[tuple[Any, ...], list[str]] = {}
+    for name, tensor in state_dict.items():
+        key = _storage_key(tensor)
+        if key in followers:
+            followers[key].append(name)
+            continue
+        followers[key] = [name]
+        nbytes = tensor.untyped_storage().nbytes()
+        if nbytes > max_bytes:
+            shards.append([name])
+            continue
+        if size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current:
+        shards.append(current)
+    for names in followers.values():
+        shard = next(s for s in shards if names[0] in s)
+        shard.extend(names[1:])
+    return shards
+
+
+def save(obj: Any, f: str | os.PathLike[str], safe_serialization: bool) -> None:
+    """``torch.save``, or ``safetensors.torch.save_file`` with ``{"format": "pt"}`` metadata
+    (aliases removed first) -- on the calling process; the facade decides who writes."""
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        save_file(dedupe_shared(obj), os.fspath(f), metadata={"format": "pt"})
+    else:
+        torch.save(obj, f)
+
+
+def save_model(
+    state_dict: dict[str, torch.Tensor],
+    save_directory: str | os.PathLike[str],
+    max_shard_size: int | str,
+    safe_serialization: bool,
+) -> list[str]:
+    """Write ``state_dict`` into ``save_directory`` as Accelerate's ``save_model`` does.
+
+    ``model.safetensors`` (``pytorch_model.bin`` without ``safe_serialization``), or when the
+    weights exceed ``max_shard_size`` (bytes, or e.g. ``"5MB"``, decimal units) shards
+    ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json``. Tied weights
+    are saved once, under the first name. Shard files of an earlier save that this one does
+    not overwrite are removed.
+
+    Returns:
+        The weight file names written.
+
+    Raises:
+        FileExistsError: ``save_directory`` is a file.
+        ValueError: ``max_shard_size`` cannot be read.
+    """
+    directory = Path(save_directory)
+    if directory.is_file():
+        raise FileExistsError(f"save_model: {directory} is a file, not a directory")
+    if safe_serialization:
+        state_dict = dedupe_shared(state_dict)
+    pattern = SAFE_WEIGHTS_PATTERN if safe_serialization else WEIGHTS_PATTERN
+    shards = split_shards(state_dict, parse_size(max_shard_size))
+    count = len(shards)
+    names = [
+        pattern.format(suffix="" if count == 1 else f"-{i:05d}-of-{count:05d}")
+        for i in range(1, count + 1)
+    ]
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in _stale_shards(directory, pattern, names):
+        stale.unlink()
+    for name, keys in zip(names, shards, strict=True):
+        save({key: state_dict[key] for key in keys}, directory / name, safe_serialization)
+    if count > 1:
+        index = {
+            "metadata": {"total_size": sum(_storage_sizes(state_dict))},
+            "weight_map": {
+                key: name for name, keys in zip(names, shards, strict=True) for key in keys
+            },
+        }
+        index_name = pattern.format(suffix="") + ".index.json"
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        (directory / index_name).write_text(text, encoding="utf-8")
+    return names
+
+
+def _stale_shards(directory: Path, pattern: str, keep: list[str]) -> Iterator[Path]:
+    stem, suffix = pattern.format(suffix=""), pattern.rsplit(".", 1)[1]
+    base = stem.removesuffix("." + suffix)
+    for path in directory.iterdir():
+        if (
+            path.is_file()
+            and path.name.startswith(base)
+            and path.name not in keep
+            and _SHARD.fullmatch(path.name.removesuffix("." + suffix)) is not None
+        ):
+            yield path
+
+
+def _storage_sizes(state_dict: Mapping[str, torch.Tensor]) -> Iterator[int]:
+    seen = set()
+    for tensor in state_dict.values():
+        key = _storage_key(tensor)
+        if key not in seen:
+            seen.add(key)
+            yield tensor.untyped_storage().nbytes()
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    storage = tensor.untyped_storage()
+    return (tensor.device, storage.data_ptr(), storage.nbytes())

@@ -1,0 +1,180 @@
+"""``Accelerator(log_with=...)``: which trackers, ``init_trackers``, ``log``, ``get_tracker``
+and finishing them in ``end_training``. The trackers themselves come from plugins' ``trackers``
+hook (:mod:`kwplug.tracking`); they exist on the main process only."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kwplug._plugins import KwplugPluginManager
+from kwplug.tracking import GeneralTracker, TrackerFactory, merge_trackers
+from kwplug.utils import ProjectConfiguration
+
+#: What ``log_with`` accepts: ``None``, a tracker name, ``"all"``, a :class:`GeneralTracker`,
+#: or a list of those.
+LogWith = str | GeneralTracker | Sequence[str | GeneralTracker] | None
+
+
+def project_configuration(
+    project_dir: str | os.PathLike[str] | None, project_config: ProjectConfiguration | None
+) -> ProjectConfiguration:
+    """The Accelerator's ``ProjectConfiguration``: ``project_config`` (default: a new one),
+    with ``project_dir`` set on it when given (Accelerate's precedence).
+
+    Raises:
+        TypeError: ``project_config`` is not a ``kwplug.utils.ProjectConfiguration``.
+    """
+    if project_config is None:
+        project_config = ProjectConfiguration()
+    elif not isinstance(project_config, ProjectConfiguration):
+        raise TypeError(
+            "project_config must be a kwplug.utils.ProjectConfiguration or None, got "
+            f"{type(project_config).__name__}"
+        )
+    if project_dir is not None:
+        project_config.set_directories(project_dir)
+    return project_config
+
+
+@attrs.define(eq=False)
+class _Trackers:
+    """The trackers of one Accelerator.
+
+    Attributes:
+        selected: tracker names (``str``) and ready tracker instances chosen by ``log_with``.
+        factories: name -> factory, from every plugin's ``trackers`` answer.
+        logging_dir: the project's logging folder (``None``: not set).
+        main: whether this is the main process (the only one with trackers).
+        started: the trackers ``init_trackers`` built and started.
+    """
+
+    selected: list[str | GeneralTracker]
+    factories: dict[str, TrackerFactory]
+    logging_dir: str | None
+    main: bool
+    started: list[GeneralTracker] = attrs.Factory(list)
+
+    @classmethod
+    def resolve(
+        cls, plugins: KwplugPluginManager, log_with: Any, logging_dir: str | None, main: bool
+    ) -> _Trackers:
+        """Check ``log_with`` against the trackers plugins contribute.
+
+        The ``trackers`` hook is called only when ``log_with`` names a tracker.
+
+        Raises:
+            TypeError: ``log_with`` holds something that is neither a name nor a
+                ``GeneralTracker``.
+            ValueError: an unknown tracker name (the message lists the available ones), or a
+                tracker needing a logging directory while ``project_dir``/``logging_dir`` is
+                unset.
+        """
+        items = [] if log_with is None else _as_list(log_with)
+        for item in items:
+            if not isinstance(item, (str, GeneralTracker)):
+                raise TypeError(
+                    "log_with must be a tracker name, 'all', a kwplug.tracking.GeneralTracker "
+                    f"or a list of those, got {type(item).__name__}"
+                )
+        factories: dict[str, TrackerFactory] = {}
+        if any(isinstance(item, str) for item in items):
+            answers = plugins.call_each("trackers")
+            factories = merge_trackers([(plugins.describe(n), a) for n, a in answers])
+        selected: list[str | GeneralTracker] = []
+        for item in items:
+            if isinstance(item, GeneralTracker):
+                selected.append(item)
+            elif str(item) == "all":
+                selected += [
+                    name
+                    for name, factory in factories.items()
+                    if getattr(factory, "is_available", lambda: True)()
+                ]
+            elif str(item) in factories:
+                selected.append(str(item))
+            else:
+                raise ValueError(
+                    f"log_with: unknown tracker {str(item)!r}; available: "
+                    f"{', '.join(map(repr, sorted(factories))) or 'none'} (or 'all')"
+                )
+        for name in selected:
+            needs_dir = getattr(factories.get(str(name)), "requires_logging_directory", False)
+            if isinstance(name, str) and needs_dir and logging_dir is None:
+                raise ValueError(
+                    f"log_with: tracker {name!r} writes files and needs a logging directory: "
+                    "pass project_dir= or project_config=ProjectConfiguration(logging_dir=...)"
+                )
+        return cls(list(dict.fromkeys(selected)), factories, logging_dir, main)
+
+    def init(
+        self,
+        project_name: str,
+        config: Mapping[str, Any] | None,
+        init_kwargs: Mapping[str, Mapping[str, Any]] | None,
+    ) -> None:
+        """Build and start every selected tracker (main process only), then store ``config``."""
+        if not self.main:
+            return
+        init_kwargs = init_kwargs or {}
+        for item in self.selected:
+            if isinstance(item, GeneralTracker):
+                tracker = item
+            else:
+                factory = self.factories[item]
+                kwargs = dict(init_kwargs.get(item, {}))
+                if getattr(factory, "requires_logging_directory", False):
+                    tracker = factory(project_name, self.logging_dir, **kwargs)
+                else:
+                    tracker = factory(project_name, **kwargs)
+            tracker.start()
+            self.started.append(tracker)
+        if config is not None:
+            for tracker in self.started:
+                tracker.store_init_configuration(config)
+
+    def log(
+        self,
+        values: Mapping[str, Any],
+        step: int | None,
+        log_kwargs: Mapping[str, Mapping[str, Any]] | None,
+    ) -> None:
+        """Log ``values`` to every started tracker (none exist off the main process)."""
+        log_kwargs = log_kwargs or {}
+        for tracker in self.started:
+            tracker.log(values, step=step, **log_kwargs.get(tracker.name, {}))
+
+    def get(self, name: str, unwrap: bool) -> Any:
+        """The started tracker called ``name`` (its ``tracker`` object when ``unwrap``); off the
+        main process, a do-nothing ``GeneralTracker``.
+
+        Raises:
+            ValueError: no started tracker has that name (lists the started ones).
+        """
+        if not self.main:
+            return GeneralTracker(_blank=True)
+        for tracker in self.started:
+            if getattr(tracker, "name", None) == name:
+                return tracker.tracker if unwrap else tracker  # type: ignore[attr-defined]
+        names = [getattr(t, "name", "?") for t in self.started]
+        raise ValueError(
+            f"{name!r} is not a tracker of this Accelerator; started: {names or 'none'} "
+            "(call init_trackers first)"
+        )
+
+    def finish(self) -> None:
+        """``finish()`` every started tracker once, then forget them."""
+        started, self.started = self.started, []
+        for tracker in started:
+            tracker.finish()
+
+
+def _as_list(log_with: Any) -> list[Any]:
+    if isinstance(log_with, (str, GeneralTracker)):
+        return [log_with]
+    if isinstance(log_with, Sequence):
+        return list(log_with)
+    return [log_with]
