@@ -20,7 +20,7 @@ from kwplug.plugins.trackers import TensorBoardTracker
 from kwplug.testing import PluginSandbox, run_distributed
 from kwplug.tracking import GeneralTracker
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
 
 
 class ListTracker(GeneralTracker):
