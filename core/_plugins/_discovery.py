@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -63,13 +64,18 @@ def _load(ep: EntryPointLike) -> PluginRecord:
             raise TypeError(problem)
         # Validate hookimpls against the specs now, so a broken plugin is reported once here
         # instead of failing every Accelerator later.
-        pm = KwplugPluginManager()
+        pm = _checker()
         plugin = plugin_object(attrs.evolve(record, obj=obj))
-        validate_hookimpls(pm, plugin, ep.name)
-        problem = registered_plugin_problem(pm, plugin)
-        if problem is not None:
-            raise TypeError(problem)
-        hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
+        with _checker_lock:
+            try:
+                validate_hookimpls(pm, plugin, ep.name)
+                problem = registered_plugin_problem(pm, plugin)
+                if problem is not None:
+                    raise TypeError(problem)
+                hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
+            finally:
+                if pm.is_registered(plugin):
+                    pm.unregister(plugin)
     except Exception as exc:  # any failure of third-party code must not take kwplug down
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, for tables
         return attrs.evolve(
@@ -78,6 +84,14 @@ def _load(ep: EntryPointLike) -> PluginRecord:
     return attrs.evolve(record, obj=obj, hooks=hooks, load_seconds=time.perf_counter() - start)
 
 
+@functools.cache
+def _checker() -> KwplugPluginManager:
+    # One manager validates every plugin in turn (registered, checked, unregistered): building
+    # one per plugin costs the hook specs' inspection each time.
+    return KwplugPluginManager()
+
+
+_checker_lock = threading.Lock()
 _visible: Callable[[EntryPointLike], bool] | None = None
 
 
