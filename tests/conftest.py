@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -13,6 +14,18 @@ pytest_plugins = ["kwplug.testing"]
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_discovery_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    # Tests (and the processes they start) keep discovery's on-disk cache out of the user's.
+    saved = os.environ.get("KWPLUG_CACHE_DIR")
+    os.environ["KWPLUG_CACHE_DIR"] = str(tmp_path_factory.mktemp("kwplug-cache"))
+    yield
+    if saved is None:
+        os.environ.pop("KWPLUG_CACHE_DIR", None)
+    else:
+        os.environ["KWPLUG_CACHE_DIR"] = saved
 
 
 @pytest.fixture(autouse=True)

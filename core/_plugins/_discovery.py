@@ -1,6 +1,8 @@
 """Discovery of handler plugins through the ``kwplug.handlers`` entry-point group.
 
-Entry points are read with ``importlib-metadata`` once per process and cached. Each entry point
+Entry points are read with ``importlib-metadata`` once per environment: the result is kept in
+memory for the process and on disk across processes (:mod:`kwplug._plugins._cache`, validated
+against ``sys.path`` and the plugins' metadata times at each start). Each entry point
 names either a :class:`~kwplug.KwargsHandler` subclass (kwplug registers a default instance of it
 unless ``register_default`` is false) or any other pluggy plugin object, such as a module with
 ``@kwplug.hookimpl`` functions. A plugin that fails to import, to default-construct or to pass
@@ -19,14 +21,15 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
 
 import attrs
-import importlib_metadata
 
-from kwplug._plugins._api_range import api_problem
+from kwplug._plugins import _cache
+from kwplug._plugins._cache import CachedDistribution, CachedEntryPoint, EntryPointLike
 from kwplug._plugins._controls import LoadControls
 from kwplug._plugins._manager import KwplugPluginManager
 from kwplug._plugins._records import OWN_DISTRIBUTION, PluginRecord, plugin_object
@@ -45,7 +48,7 @@ SLOW_IMPORT_SECONDS = 1.0
 logger = logging.getLogger("kwplug.discovery")
 
 
-def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
+def _load(ep: EntryPointLike) -> PluginRecord:
     dist = ep.dist
     record = PluginRecord(
         name=ep.name,
@@ -61,13 +64,18 @@ def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
             raise TypeError(problem)
         # Validate hookimpls against the specs now, so a broken plugin is reported once here
         # instead of failing every Accelerator later.
-        pm = KwplugPluginManager()
+        pm = _checker()
         plugin = plugin_object(attrs.evolve(record, obj=obj))
-        validate_hookimpls(pm, plugin, ep.name)
-        problem = registered_plugin_problem(pm, plugin)
-        if problem is not None:
-            raise TypeError(problem)
-        hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
+        with _checker_lock:
+            try:
+                validate_hookimpls(pm, plugin, ep.name)
+                problem = registered_plugin_problem(pm, plugin)
+                if problem is not None:
+                    raise TypeError(problem)
+                hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
+            finally:
+                if pm.is_registered(plugin):
+                    pm.unregister(plugin)
     except Exception as exc:  # any failure of third-party code must not take kwplug down
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, for tables
         return attrs.evolve(
@@ -76,10 +84,18 @@ def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
     return attrs.evolve(record, obj=obj, hooks=hooks, load_seconds=time.perf_counter() - start)
 
 
-_visible: Callable[[importlib_metadata.EntryPoint], bool] | None = None
+@functools.cache
+def _checker() -> KwplugPluginManager:
+    # One manager validates every plugin in turn (registered, checked, unregistered): building
+    # one per plugin costs the hook specs' inspection each time.
+    return KwplugPluginManager()
 
 
-def set_visible(visible: Callable[[importlib_metadata.EntryPoint], bool] | None) -> None:
+_checker_lock = threading.Lock()
+_visible: Callable[[EntryPointLike], bool] | None = None
+
+
+def set_visible(visible: Callable[[EntryPointLike], bool] | None) -> None:
     """Restrict discovery to the entry points ``visible`` accepts (``None``: all of them),
     and forget the caches. Used by :class:`kwplug.testing.PluginSandbox` to isolate tests from
     whatever else is installed."""
@@ -88,27 +104,65 @@ def set_visible(visible: Callable[[importlib_metadata.EntryPoint], bool] | None)
     discover(refresh=True)
 
 
-def visible() -> Callable[[importlib_metadata.EntryPoint], bool] | None:
+def visible() -> Callable[[EntryPointLike], bool] | None:
     """The filter :func:`set_visible` installed (``None``: every entry point)."""
     return _visible
 
 
 @functools.cache
-def _entry_points() -> tuple[importlib_metadata.EntryPoint, ...]:
-    # Reading metadata is cheap; importing plugins is not, so loading is separate (and skipped
+def _entry_points() -> tuple[EntryPointLike, ...]:
+    # Reading metadata costs tens of milliseconds; importing plugins is separate (and skipped
     # for third-party plugins when autoload is disabled).
+    if not _cache.enabled():
+        return tuple(_scan())
+    key = _cache.environment_key()
+    cached = _cache.read(key)
+    if cached is not None:
+        return cached
+    found = _scan()
+    if LoadControls.from_env().builtins_only:
+        # Filling the cache range-checks every plugin (importing packaging); this process
+        # loads none, so it leaves that to the next one that may.
+        return tuple(found)
+    entries = tuple(_cached(ep) for ep in found)
+    folders = [getattr(ep.dist, "_path", None) for ep in found]
+    if all(isinstance(f, os.PathLike) for f in folders):  # else a zip or a custom finder
+        _cache.write(key, entries, (os.fspath(f) for f in folders))  # type: ignore[arg-type]
+    return entries
+
+
+def _scan() -> list[EntryPointLike]:
+    import importlib_metadata  # only on a cache miss: importing it costs milliseconds
+
     seen: set[tuple[str, str]] = set()
-    found = []
+    found: list[EntryPointLike] = []
     for ep in importlib_metadata.entry_points(group=GROUP):
         key = (ep.dist.name if ep.dist is not None else "", ep.name)
         if key not in seen:  # the same distribution can be seen twice on sys.path
             seen.add(key)
             found.append(ep)
-    return tuple(found)
+    return found
+
+
+def _cached(ep: EntryPointLike) -> CachedEntryPoint:
+    distribution, version = _dist(ep)
+    builtin = distribution == OWN_DISTRIBUTION
+    problem = None if builtin else _api_problem(ep)
+    return CachedEntryPoint(ep.name, ep.value, CachedDistribution(distribution, version, problem))
+
+
+def _api_problem(ep: EntryPointLike) -> str | None:
+    # The verdict stored with a cached entry point, so that the common path never imports
+    # packaging; a live entry point (cache disabled) is checked now.
+    if isinstance(ep.dist, CachedDistribution):
+        return ep.dist.api_problem
+    from kwplug._plugins._api_range import api_problem
+
+    return api_problem(ep.dist)
 
 
 @functools.cache
-def _load_cached(ep: importlib_metadata.EntryPoint) -> PluginRecord:
+def _load_cached(ep: EntryPointLike) -> PluginRecord:
     record = _load(ep)
     if record.error is not None:
         message = (
@@ -143,7 +197,7 @@ def _warn(message: str, record: PluginRecord) -> None:
 
 
 @functools.cache
-def _incompatible(ep: importlib_metadata.EntryPoint, problem: str) -> PluginRecord:
+def _incompatible(ep: EntryPointLike, problem: str) -> PluginRecord:
     distribution, version = _dist(ep)
     record = PluginRecord(
         ep.name, ep.value, distribution, version, error=problem, status="incompatible"
@@ -153,7 +207,7 @@ def _incompatible(ep: importlib_metadata.EntryPoint, problem: str) -> PluginReco
     return record
 
 
-def _dist(ep: importlib_metadata.EntryPoint) -> tuple[str, str]:
+def _dist(ep: EntryPointLike) -> tuple[str, str]:
     if ep.dist is None:
         return "<unknown>", "<unknown>"
     return ep.dist.name, ep.dist.version
@@ -180,7 +234,8 @@ def discover(*, refresh: bool = False) -> tuple[PluginRecord, ...]:
 
     Args:
         refresh: forget the per-process cache and read the entry points again (after a
-            ``pip install`` in the same process).
+            ``pip install`` in the same process); the on-disk cache is used only if nothing
+            it depends on changed (see :mod:`kwplug._plugins._cache`).
 
     Raises:
         PluginLoadError: a plugin failed to load and ``KWPLUG_STRICT_PLUGINS=1``.
@@ -204,7 +259,7 @@ def _discover(controls: LoadControls) -> tuple[PluginRecord, ...]:
         distribution, version = _dist(ep)
         builtin = distribution == OWN_DISTRIBUTION
         status = controls.status(ep.name, distribution, builtin)
-        problem = None if builtin or status is not None else api_problem(ep.dist)
+        problem = None if builtin or status is not None else _api_problem(ep)
         if problem is not None:  # never imported: an incompatible plugin is not half-loaded
             records.append(_incompatible(ep, problem))
         elif status is None:

@@ -62,9 +62,16 @@ class KwplugPluginManager(pluggy.PluginManager):
     # an instance (not the class) are not cached.
     _opts_cache: dict[tuple[Any, str], Any] = {}  # noqa: RUF012 - shared on purpose
 
-    def __init__(self) -> None:
+    def __init__(self, *, specs: bool = True) -> None:
+        """An empty manager of project ``kwplug``.
+
+        Args:
+            specs: add the hook specs (default). ``False``: the caller copies them from a
+                template (:mod:`kwplug._plugins._reuse`).
+        """
         super().__init__(PROJECT_NAME)
-        self.add_hookspecs(HandlerSpec)
+        if specs:
+            self.add_hookspecs(HandlerSpec)
         self._descriptions: dict[str, str] = {}
         self._third_party: set[str] = set()
         self._recordings: list[Recording] = []

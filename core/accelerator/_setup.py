@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kwplug._plugins import Answer, KwplugPluginManager, discover, require_handler_list
+from kwplug._plugins._reuse import manager_for
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
 from kwplug.environment import ProcessInfo, end_process_group, select_device
 from kwplug.handler import KwargsHandler
@@ -78,7 +79,9 @@ def resolve(
     if not isinstance(cpu, bool):
         raise TypeError(f"cpu must be a bool, got {type(cpu).__name__}")
     handlers = require_handler_list(kwargs_handlers)
-    plugins = KwplugPluginManager.for_handlers(handlers, discover())
+    # A copy of the manager built for the same plugins and handler classes (no pluggy
+    # inspection), with this Accelerator's own handler objects.
+    plugins = manager_for(handlers, discover())
 
     info = ProcessInfo.current()
     device = select_device(cpu, info.local_rank)

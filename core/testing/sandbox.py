@@ -23,11 +23,15 @@ import importlib_metadata
 import pluggy
 
 from kwplug import _plugins
+from kwplug._plugins._cache import EntryPointLike
 from kwplug._plugins._controls import control_name
 from kwplug.accelerator import Accelerator
 from kwplug.handler import KwargsHandler
 
 _CONTROL_PREFIX = "KWPLUG_"
+# Not loading controls but where discovery's on-disk cache lives: kept, so that a test run can
+# point it away from the user's cache folder (the cache keys on sys.path, sandboxes included).
+_KEPT = frozenset({"KWPLUG_CACHE_DIR", "KWPLUG_NO_CACHE"})
 _ACTIVE: list[PluginSandbox] = []  # innermost last
 
 
@@ -47,8 +51,8 @@ class PluginSandbox:
             removed on exit).
 
     On entry the ``KWPLUG_*`` environment variables are removed (set them inside the block to
-    test loading controls) and kwplug's discovery caches are cleared; on exit both are
-    restored, along with ``sys.path``.
+    test loading controls; ``KWPLUG_CACHE_DIR`` and ``KWPLUG_NO_CACHE`` are kept) and kwplug's
+    discovery caches are cleared; on exit both are restored, along with ``sys.path``.
     """
 
     def __init__(
@@ -56,7 +60,7 @@ class PluginSandbox:
     ) -> None:
         self._keep: set[str] = set()
         self._initial_keep = tuple(keep_installed)
-        self._outer_visible: Callable[[importlib_metadata.EntryPoint], bool] | None = None
+        self._outer_visible: Callable[[EntryPointLike], bool] | None = None
         self._directory = None if directory is None else Path(directory)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._added: set[str] = set()
@@ -69,7 +73,7 @@ class PluginSandbox:
         if self._directory is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kwplug-sandbox-")
             self._directory = Path(self._tmp.name)
-        self._saved_env = {k: v for k, v in os.environ.items() if k.startswith(_CONTROL_PREFIX)}
+        self._saved_env = {k: v for k, v in os.environ.items() if _is_control(k)}
         for name in self._saved_env:
             del os.environ[name]
         self._outer_visible = _plugins.visible()  # sandboxes nest
@@ -89,7 +93,7 @@ class PluginSandbox:
         for root in self._roots:
             if root in sys.path:
                 sys.path.remove(root)
-        for name in [k for k in os.environ if k.startswith(_CONTROL_PREFIX)]:
+        for name in [k for k in os.environ if _is_control(k)]:
             del os.environ[name]
         os.environ.update(self._saved_env)
         _plugins.set_visible(self._outer_visible)
@@ -197,13 +201,17 @@ class PluginSandbox:
         """``kwplug.Accelerator(kwargs_handlers=handlers, **kwargs)`` in the sandbox."""
         return Accelerator(kwargs_handlers=list(handlers), **kwargs)
 
-    def _visible(self, ep: importlib_metadata.EntryPoint) -> bool:
+    def _visible(self, ep: EntryPointLike) -> bool:
         dist_name = control_name(ep.dist.name) if ep.dist is not None else ""
         return (
             dist_name == "kwplug"
             or dist_name in self._keep
             or f"{dist_name}:{ep.name}" in self._added
         )
+
+
+def _is_control(name: str) -> bool:
+    return name.startswith(_CONTROL_PREFIX) and name not in _KEPT
 
 
 def _import_path(plugin: Any) -> str:

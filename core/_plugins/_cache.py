@@ -1,0 +1,278 @@
+"""A persistent cache of the ``kwplug.handlers`` entry points, read once per environment.
+
+Scanning the installed distributions (``importlib_metadata.entry_points``) parses the metadata
+of every distribution on ``sys.path``: tens of milliseconds in every new process, more than the
+rest of an ``Accelerator``'s construction. What it finds changes only when a distribution is
+installed, removed or edited, so kwplug stores the entry points of its group -- with each
+distribution's name, version and the verdict of the API-range check
+(:mod:`kwplug._plugins._api_range`) -- in a JSON file, and trusts it only while nothing it
+depends on has changed:
+
+- the interpreter (``sys.version``, ``sys.executable``), kwplug's cache format, the
+  ``sys.path`` entries in order and the ``sys.meta_path`` finders' types;
+- each ``sys.path`` entry's modification time (``st_mtime_ns``; ``None`` when missing): pip
+  creates or removes a ``*.dist-info`` folder in its site directory to install, upgrade or
+  remove a distribution, which changes the directory's modification time;
+- each plugin distribution's metadata folder and its ``entry_points.txt`` / ``METADATA``
+  (``PKG-INFO``, ``requires.txt`` for ``*.egg-info``), so that an in-place edit of a plugin's
+  metadata is seen too (kwplug's own distribution is one of them: a kwplug upgrade is seen).
+
+An entry is never written while one of these times is within :data:`RACY_SECONDS` of now (a
+change in the same clock tick would go unseen, as git's "racily clean" files); a file that does
+not parse, or has the wrong shape, is ignored and rewritten. Files are written atomically
+(``os.replace``), one per interpreter, holding the :data:`MAX_KEYS` most recent keys (a key
+differs per working directory when ``sys.path`` holds it).
+
+Environment variables: ``KWPLUG_CACHE_DIR`` (folder; default ``$XDG_CACHE_HOME/kwplug`` or
+``~/.cache/kwplug``), ``KWPLUG_NO_CACHE=1`` (neither read nor write).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+CACHE_DIR_ENV = "KWPLUG_CACHE_DIR"
+NO_CACHE_ENV = "KWPLUG_NO_CACHE"
+#: Bumped whenever the file's layout or the meaning of a field changes.
+FORMAT = 1
+#: Keys with a modification time this close to now (seconds) are not written.
+RACY_SECONDS = 2.0
+#: Keys kept per file (most recent first).
+MAX_KEYS = 8
+
+logger = logging.getLogger(__name__)
+
+# An entry-point value: ``module``, ``module:attr.attr``, optionally ``[extras]`` (PyPA spec).
+_VALUE = re.compile(r"^\s*(?P<module>[\w.]+)\s*(?::\s*(?P<attr>[\w.]+)\s*)?(?:\[[^\]]*\]\s*)?$")
+_META_FILES = {
+    ".dist-info": ("entry_points.txt", "METADATA"),
+    ".egg-info": ("entry_points.txt", "PKG-INFO", "requires.txt"),
+}
+
+
+class DistributionLike(Protocol):
+    """What discovery reads of a distribution (an ``importlib_metadata.Distribution`` or a
+    :class:`CachedDistribution`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version(self) -> str: ...
+
+
+class EntryPointLike(Protocol):
+    """What discovery reads of an entry point (an ``importlib_metadata.EntryPoint`` or a
+    :class:`CachedEntryPoint`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def value(self) -> str: ...
+
+    @property
+    def dist(self) -> DistributionLike | None: ...
+
+    def load(self) -> Any: ...
+
+    def __hash__(self) -> int: ...  # discovery caches per entry point
+
+
+@attrs.frozen
+class CachedDistribution:
+    """A distribution as the cache stores it.
+
+    Attributes:
+        name: the distribution name (as its metadata spells it).
+        version: its version.
+        api_problem: why its requirement on kwplug excludes the kwplug that wrote the entry
+            (``None``: compatible, or kwplug's own distribution).
+    """
+
+    name: str
+    version: str
+    api_problem: str | None = None
+
+
+@attrs.frozen
+class CachedEntryPoint:
+    """One entry point of the ``kwplug.handlers`` group, as the cache stores it.
+
+    Attributes:
+        name: the entry-point name.
+        value: its target, ``module:attr`` (extras ignored, as ``importlib_metadata`` does).
+        dist: the distribution that declares it.
+    """
+
+    name: str
+    value: str
+    dist: CachedDistribution
+
+    def load(self) -> Any:
+        """Import the module and return the attribute the entry point names.
+
+        Raises:
+            ValueError: the value is not ``module[:attr[.attr...]]``.
+            ImportError, AttributeError: as importing or looking up the target raises.
+        """
+        match = _VALUE.match(self.value)
+        if match is None:
+            raise ValueError(f"malformed entry point value {self.value!r}")
+        obj: Any = importlib.import_module(match["module"])
+        for attr in filter(None, (match["attr"] or "").split(".")):
+            obj = getattr(obj, attr)
+        return obj
+
+
+def enabled() -> bool:
+    """Whether the cache is used (``KWPLUG_NO_CACHE`` is not set to a true value)."""
+    return os.environ.get(NO_CACHE_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
+
+
+def cache_dir() -> str:
+    """The cache folder: ``KWPLUG_CACHE_DIR``, else ``$XDG_CACHE_HOME/kwplug``, else
+    ``~/.cache/kwplug``."""
+    explicit = os.environ.get(CACHE_DIR_ENV)
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kwplug")
+
+
+def cache_file() -> str:
+    """This interpreter's cache file (one per ``sys.executable`` and ``sys.prefix``)."""
+    ident = f"{sys.executable}\0{sys.prefix}\0{sys.version}".encode()
+    return os.path.join(cache_dir(), f"entry-points-{hashlib.sha256(ident).hexdigest()[:16]}.json")
+
+
+def _mtime(path: str) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except (OSError, ValueError):  # missing, unreadable, or a path with a NUL byte
+        return None
+
+
+def environment_key() -> dict[str, Any]:
+    """What the entry points found depend on, read now (a few ``stat`` calls)."""
+    return {
+        "format": FORMAT,
+        "python": sys.version,
+        "executable": sys.executable,
+        "meta_path": [_qualname(f if isinstance(f, type) else type(f)) for f in sys.meta_path],
+        "path": [[entry, _mtime(entry or os.curdir)] for entry in sys.path],
+        # relative entries (``""`` is the working directory) resolve against it
+        "cwd": os.getcwd() if any(not os.path.isabs(e) for e in sys.path) else None,
+    }
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _watched(folders: Iterable[str]) -> list[list[Any]] | None:
+    # [path, mtime] for each metadata folder and its files; None when one is not a folder on
+    # disk (a zip, a custom finder): such an environment is not cached.
+    watched: list[list[Any]] = []
+    for folder in sorted(set(folders)):
+        suffix = next((s for s in _META_FILES if folder.endswith(s)), None)
+        if suffix is None or not os.path.isdir(folder):
+            return None
+        paths = [folder, *(os.path.join(folder, name) for name in _META_FILES[suffix])]
+        watched.extend([path, _mtime(path)] for path in paths)
+    return watched
+
+
+def _fresh(watched: Sequence[Sequence[Any]]) -> bool:
+    return all(_mtime(path) == mtime for path, mtime in watched)
+
+
+def read(key: dict[str, Any]) -> tuple[CachedEntryPoint, ...] | None:
+    """The cached entry points for ``key``, or ``None`` (disabled, absent, stale, corrupt)."""
+    if not enabled():
+        return None
+    try:
+        with open(cache_file(), encoding="utf-8") as handle:
+            data = json.load(handle)
+        for entry in data["entries"]:
+            if entry["key"] == key and _fresh(entry["watched"]):
+                return tuple(_entry_point(item) for item in entry["entry_points"])
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # a corrupt or foreign file is a miss, never an error
+        logger.debug("kwplug: ignoring the entry-point cache %s: %r", cache_file(), exc)
+    return None
+
+
+def _entry_point(item: dict[str, Any]) -> CachedEntryPoint:
+    dist = item["dist"]
+    problem = dist["api_problem"]
+    if not all(isinstance(v, str) for v in (item["name"], item["value"], dist["name"])):
+        raise TypeError(f"malformed cache entry {item!r}")
+    if not isinstance(dist["version"], str) or not isinstance(problem, (str, type(None))):
+        raise TypeError(f"malformed cache entry {item!r}")
+    return CachedEntryPoint(
+        item["name"], item["value"], CachedDistribution(dist["name"], dist["version"], problem)
+    )
+
+
+def write(
+    key: dict[str, Any], entry_points: Sequence[CachedEntryPoint], folders: Iterable[str]
+) -> bool:
+    """Store ``entry_points`` for ``key``, watching the metadata ``folders`` they came from.
+
+    Nothing is written (``False``) when the cache is disabled, a folder cannot be watched, a
+    watched time is racily recent, or the folder is not writable; errors are logged at
+    ``DEBUG`` only.
+    """
+    if not enabled():
+        return False
+    watched = _watched(folders)
+    if watched is None:
+        return False
+    racy = time.time_ns() - int(RACY_SECONDS * 1e9)
+    times = [m for _, m in key["path"]] + [m for _, m in watched]
+    if any(m is not None and m >= racy for m in times):
+        return False
+    entry = {
+        "key": key,
+        "watched": watched,
+        "entry_points": [attrs.asdict(ep) for ep in entry_points],
+    }
+    path = cache_file()
+    try:
+        old = _old_entries(path, key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".entry-points-")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                json.dump({"format": FORMAT, "entries": [entry, *old][:MAX_KEYS]}, handle)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as exc:
+        logger.debug("kwplug: cannot write the entry-point cache %s: %r", path, exc)
+        return False
+    return True
+
+
+def _old_entries(path: str, key: dict[str, Any]) -> list[Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        return [e for e in data["entries"] if isinstance(e, dict) and e.get("key") != key]
+    except Exception:  # absent or corrupt: start afresh
+        return []
