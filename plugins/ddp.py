@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import enum
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import attrs
@@ -355,3 +356,16 @@ class DistributedDataParallelKwargs(KwargsHandler):
         if hook is not None:
             ddp.register_comm_hook(state, hook)
         return ddp
+
+    @hookimpl
+    def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[Any] | None:
+        """``model.no_sync()`` when ``model`` is a ``DistributedDataParallel``; ``None``
+        otherwise.
+
+        Under it DDP neither reduces gradients nor calls the communication hook, so a
+        stateful hook (PowerSGD's step counter and error feedback) advances only on the
+        synchronising backward.
+        """
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return model.no_sync()
+        return None

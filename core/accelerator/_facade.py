@@ -15,15 +15,22 @@ from torch.utils.data import DataLoader
 
 from kwplug._plugins import Answer, KwplugPluginManager
 from kwplug.accelerator import _checkpointing, _ops
+from kwplug.accelerator._accumulation import GradientState, _GradientAccumulation
+from kwplug.accelerator._options import resolve_options
 from kwplug.accelerator._prepare import _Prepared, unwrap_model
 from kwplug.accelerator._setup import _Setup, resolve
 from kwplug.comm_hooks import CommHook
 from kwplug.environment import end_process_group
 from kwplug.handler import KwargsHandler
-from kwplug.optimizer import ScaledOptimizer
+from kwplug.optimizer import AcceleratedOptimizer
+from kwplug.utils.dataclasses import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+)
 
 
-class Accelerator:
+class Accelerator(_GradientAccumulation):
     """Runs a training loop on the device and processes chosen by torchrun, through plugins.
 
     Every torch object it builds -- the process group, the autocast context, the gradient
@@ -33,13 +40,23 @@ class Accelerator:
     :meth:`prepare`, never per training step.
 
     Args:
-        mixed_precision: ``"no"`` (default), ``"fp16"`` (``torch.autocast`` to float16 and a
-            ``torch.amp.GradScaler``) or ``"bf16"`` (autocast to bfloat16, no scaler). Works
-            on CPU too.
+        mixed_precision: ``"no"`` (default; ``None`` means it too), ``"fp16"``
+            (``torch.autocast`` to float16 and a ``torch.amp.GradScaler``) or ``"bf16"``
+            (autocast to bfloat16, no scaler). Works on CPU too.
         cpu: train on the CPU even when an accelerator is available.
         kwargs_handlers: handler instances (``AutocastKwargs``, ``DistributedDataParallelKwargs``,
             ``GradScalerKwargs``, ``InitProcessGroupKwargs``, ``ProfileKwargs``, a subclass of
             one, or a third-party handler), at most one per class.
+        gradient_accumulation_steps: ``int`` >= 1, default 1; micro-batches per optimizer
+            step in :meth:`accumulate`. ``gradient_accumulation_plugin``: a
+            ``kwplug.utils.GradientAccumulationPlugin`` instead (not both).
+        dataloader_config: a ``kwplug.utils.DataLoaderConfiguration`` (default: its
+            defaults); ``split_batches``/``even_batches``: its fields, legacy keywords.
+        project_dir, project_config: a folder or ``kwplug.utils.ProjectConfiguration`` for
+            checkpoints and logs (:attr:`project_dir`, :attr:`logging_dir`).
+        log_with: tracker names or objects, kept as the list :attr:`log_with`.
+        step_scheduler_with_optimizer: default ``True``; prepared schedulers step only when
+            the optimizers do (see :class:`kwplug.scheduler.AcceleratedScheduler`).
 
     Attributes:
         device: the ``torch.device`` this process trains on (``device_type``: its type).
@@ -53,9 +70,10 @@ class Accelerator:
 
     Raises:
         ValueError: ``mixed_precision`` is not one of ``"no"``, ``"fp16"``, ``"bf16"``; two
-            handlers share a class; a torchrun variable is malformed.
+            handlers share a class; a torchrun variable is malformed;
+            ``gradient_accumulation_steps < 1`` or given with ``gradient_accumulation_plugin``.
         TypeError: ``cpu`` is not a bool; ``kwargs_handlers`` holds something that is not a
-            handler instance.
+            handler instance; another keyword has the wrong type (the message names it).
         RuntimeError: ``WORLD_SIZE > 1`` but no plugin initialised the process group.
         kwplug.errors.PluginConflictError: two third-party plugins registered by default
             both claim a one-answer hook for this device (see :mod:`kwplug.hookspecs`).
@@ -63,12 +81,27 @@ class Accelerator:
 
     def __init__(
         self,
-        mixed_precision: Literal["no", "fp16", "bf16"] | str = "no",
+        mixed_precision: Literal["no", "fp16", "bf16"] | str | None = "no",
         cpu: bool = False,
         kwargs_handlers: Sequence[KwargsHandler] | None = None,
+        *,
+        gradient_accumulation_steps: int = 1,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        project_dir: str | os.PathLike[str] | None = None,
+        project_config: ProjectConfiguration | None = None,
+        log_with: Any = None,
+        step_scheduler_with_optimizer: bool = True,
+        split_batches: bool | None = None,
+        even_batches: bool | None = None,
     ) -> None:
+        options = resolve_options(
+            gradient_accumulation_steps, gradient_accumulation_plugin, dataloader_config,
+            project_dir, project_config, log_with, step_scheduler_with_optimizer,
+            split_batches, even_batches,
+        )  # fmt: skip
         # Resolved once; the public attributes below are read-only by convention.
-        self._setup: _Setup = resolve(mixed_precision, cpu, kwargs_handlers)
+        self._setup: _Setup = resolve("no" if mixed_precision is None else mixed_precision, cpu, kwargs_handlers)
         setup = self._setup
         self.mixed_precision: str = setup.mixed_precision
         self.handlers: list[KwargsHandler] = setup.handlers
@@ -82,7 +115,14 @@ class Accelerator:
         self.local_process_index: int = setup.process.local_rank
         self.comm_hooks: dict[str, CommHook] = setup.comm_hooks
         self.scaler: torch.amp.GradScaler | None = setup.scaler
-        self._prepared = _Prepared(setup, self.plan)
+        self.dataloader_config: DataLoaderConfiguration = options.dataloader_config
+        self.project_configuration: ProjectConfiguration = options.project_configuration
+        self.log_with: list[Any] = options.log_with
+        self.step_scheduler_with_optimizer: bool = options.step_scheduler_with_optimizer
+        self.gradient_state = GradientState.from_plugin(options.gradient_accumulation)
+        self._prepared = _Prepared(
+            setup, self.plan, gradient_state=self.gradient_state, options=options
+        )
 
     @classmethod
     def from_config(
@@ -124,8 +164,11 @@ class Accelerator:
 
         - ``torch.nn.Module``: moved to :attr:`device`, then wrapped through the
           ``wrap_model`` hook (DDP when ``num_processes > 1`` by default).
-        - ``torch.optim.Optimizer``: returned as is, or wrapped in a
-          :class:`~kwplug.optimizer.ScaledOptimizer` when a gradient scaler is active.
+        - ``torch.optim.Optimizer``: wrapped in a :class:`~kwplug.optimizer.AcceleratedOptimizer`
+          (skips steps while gradients accumulate; steps through the gradient scaler).
+        - ``torch.optim.lr_scheduler.LRScheduler``: wrapped in a
+          :class:`~kwplug.scheduler.AcceleratedScheduler` (after the other objects, so it finds
+          its optimizer) and saved by :meth:`save_state`.
         - ``torch.utils.data.DataLoader``: sharded per rank with ``DistributedSampler``
           semantics, batches moved to :attr:`device`.
         - anything else: returned unchanged.
@@ -149,7 +192,7 @@ class Accelerator:
         return self._prepared.model(model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Return ``optimizer``, stepping through the gradient scaler when there is one.
+        """Wrap ``optimizer`` in an :class:`~kwplug.optimizer.AcceleratedOptimizer`.
 
         When a prepared model's wrapper replaced parameters, the optimizer's param groups are
         pointed at the replacements first.
@@ -192,28 +235,16 @@ class Accelerator:
         return (factory or contextlib.nullcontext)()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward(**kwargs)``, through the gradient scaler when there is one."""
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]
-        else:
+        """``loss.backward(**kwargs)`` of ``loss / gradient_accumulation_steps``, through the
+        gradient scaler when there is one."""
+        if self.gradient_state.num_steps > 1:
+            loss = loss / self.gradient_state.num_steps
+        updates = self._prepared.scaler_updates
+        if updates is None:
             loss.backward(**kwargs)  # type: ignore[no-untyped-call]
-
-    def clip_grad_norm_(
-        self, parameters: Any, max_norm: float, norm_type: float = 2.0
-    ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` after unscaling the gradients (fp16).
-
-        With a gradient scaler, every prepared optimizer's gradients are unscaled first
-        (``GradScaler.unscale_``), so call this at most once per step, between
-        :meth:`backward` and ``optimizer.step()``.
-
-        Returns:
-            The total gradient norm before clipping (a 0-d tensor).
-        """
-        if self.scaler is not None:
-            for optimizer in self._scaled_optimizers:
-                self.scaler.unscale_(optimizer.optimizer)
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+            return
+        updates.flush()  # the previous step's pending GradScaler.update()
+        updates.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]
 
     # -- distributed helpers (kwplug.accelerator._ops) ----------------------------------------
 
@@ -342,6 +373,9 @@ class Accelerator:
         self._prepared.clear()
         end_process_group()
 
+    # -- gradient accumulation: accumulate, no_sync, sync_gradients, prepare_scheduler,
+    # clip_grad_norm_/value_, project_dir... live in the base class (._accumulation).
+
     # -- internals: the prepared objects, and hook calls through the setup's plugins ----------
 
     @property
@@ -349,11 +383,11 @@ class Accelerator:
         return self._prepared.models
 
     @property
-    def _optimizers(self) -> list[torch.optim.Optimizer]:
+    def _optimizers(self) -> list[AcceleratedOptimizer]:
         return self._prepared.optimizers
 
     @property
-    def _scaled_optimizers(self) -> list[ScaledOptimizer]:
+    def _scaled_optimizers(self) -> list[AcceleratedOptimizer]:
         return self._prepared.scaled_optimizers
 
     @property
