@@ -133,6 +133,11 @@ class GradientState:
         finally:
             self.end_loader(loader)
 
+    def restart(self) -> None:
+        """Forget the micro-batches counted so far (``Accelerator.free_memory``/``clear``, as
+        Accelerate's ``free_memory`` resets its step): the next accumulation starts afresh."""
+        self.step = 0
+
     def do_sync(self) -> None:
         """Advance one micro-batch: synchronise every ``num_steps``-th one, and at the end of
         a prepared data loader (which also restarts the count)."""
