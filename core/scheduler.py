@@ -69,18 +69,18 @@ class AcceleratedScheduler:
             return
         if not self.gradient_state.sync_gradients:
             if self.gradient_state.adjust_scheduler:
-                scheduler._step_count += 1  # type: ignore[attr-defined]
+                scheduler._step_count += 1
             return
         if any(getattr(opt, "step_was_skipped", False) for opt in self.optimizers):
             return
         for _ in range(1 if self.split_batches else self.num_processes):
             total = getattr(scheduler, "total_steps", None)  # OneCycleLR
-            if total is None or scheduler._step_count <= total:  # type: ignore[attr-defined]
+            if total is None or scheduler._step_count <= total:
                 scheduler.step(*args, **kwargs)
 
-    def get_last_lr(self) -> list[float]:
+    def get_last_lr(self) -> list[Any]:
         """The wrapped scheduler's ``get_last_lr()``."""
-        return self.scheduler.get_last_lr()  # type: ignore[no-any-return]
+        return self.scheduler.get_last_lr()
 
     def get_lr(self) -> Any:
         """The wrapped scheduler's ``get_lr()``."""

@@ -59,7 +59,9 @@ def test_gradient_accumulation_plugin() -> None:
     assert accelerator.gradient_accumulation_steps == 3
     assert not accelerator.gradient_state.sync_with_dataloader
     with pytest.raises(ValueError, match="only one of gradient_accumulation_steps"):
-        kwplug.Accelerator(cpu=True, gradient_accumulation_plugin=plugin, gradient_accumulation_steps=2)
+        kwplug.Accelerator(
+            cpu=True, gradient_accumulation_plugin=plugin, gradient_accumulation_steps=2
+        )
 
 
 @pytest.mark.parametrize(
@@ -68,7 +70,11 @@ def test_gradient_accumulation_plugin() -> None:
         ({"gradient_accumulation_steps": 0}, ValueError, "gradient_accumulation_steps"),
         ({"gradient_accumulation_steps": 2.0}, TypeError, "gradient_accumulation_steps"),
         ({"gradient_accumulation_steps": True}, TypeError, "gradient_accumulation_steps"),
-        ({"gradient_accumulation_plugin": {"num_steps": 2}}, TypeError, "gradient_accumulation_plugin"),
+        (
+            {"gradient_accumulation_plugin": {"num_steps": 2}},
+            TypeError,
+            "gradient_accumulation_plugin",
+        ),
         ({"dataloader_config": {"split_batches": True}}, TypeError, "dataloader_config"),
         ({"project_config": "dir"}, TypeError, "project_config"),
         ({"project_dir": 3}, TypeError, "project_dir"),
@@ -76,7 +82,11 @@ def test_gradient_accumulation_plugin() -> None:
         ({"log_with": ["tensorboard", None]}, TypeError, "log_with"),
         ({"step_scheduler_with_optimizer": 1}, TypeError, "step_scheduler_with_optimizer"),
         ({"mixed_precision": "fp8"}, ValueError, "mixed_precision"),
-        ({"split_batches": True, "dataloader_config": DataLoaderConfiguration()}, ValueError, "split_batches"),
+        (
+            {"split_batches": True, "dataloader_config": DataLoaderConfiguration()},
+            ValueError,
+            "split_batches",
+        ),
         ({"even_batches": "yes"}, TypeError, "even_batches"),
     ],
 )
@@ -282,7 +292,9 @@ def test_hook_no_sync() -> None:
 
 
 def test_fp16_clip_unscales_once_and_only_on_sync_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    accelerator = kwplug.Accelerator(cpu=True, mixed_precision="fp16", gradient_accumulation_steps=2)
+    accelerator = kwplug.Accelerator(
+        cpu=True, mixed_precision="fp16", gradient_accumulation_steps=2
+    )
     scaler = accelerator.scaler
     assert scaler is not None
     calls = []
@@ -306,9 +318,10 @@ def test_fp16_clip_unscales_once_and_only_on_sync_steps(monkeypatch: pytest.Monk
 
 def _two_optimizers(accelerator: kwplug.Accelerator) -> tuple[Any, ...]:
     first, second = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
-    return (first, second) + accelerator.prepare(
+    optimizers = accelerator.prepare(
         torch.optim.SGD(first.parameters(), lr=0.1), torch.optim.SGD(second.parameters(), lr=0.1)
     )
+    return (first, second, *optimizers)
 
 
 def test_two_optimizers_update_the_scaler_once_per_step() -> None:
@@ -339,7 +352,7 @@ def test_two_optimizers_update_the_scaler_once_per_step() -> None:
 def test_alternating_optimizers_update_at_the_next_backward() -> None:
     handler = kwplug.GradScalerKwargs(init_scale=1024.0, growth_interval=1)
     accelerator = kwplug.Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[handler])
-    first, second, opt1, opt2 = _two_optimizers(accelerator)
+    first, _, opt1, _ = _two_optimizers(accelerator)
     x = torch.ones(1, 2)
     for _ in range(3):  # only the first optimizer steps (a GAN's alternation)
         accelerator.backward(first(x).sum())

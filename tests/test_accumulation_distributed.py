@@ -19,7 +19,9 @@ ROUNDS = 2  # optimizer steps
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     samples = ROUNDS * STEPS * 2 * MICRO
-    return torch.randn(samples, 6, generator=generator), torch.randn(samples, 1, generator=generator)
+    return torch.randn(samples, 6, generator=generator), torch.randn(
+        samples, 1, generator=generator
+    )
 
 
 def _model() -> torch.nn.Module:

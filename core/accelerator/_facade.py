@@ -101,7 +101,9 @@ class Accelerator(_GradientAccumulation):
             split_batches, even_batches,
         )  # fmt: skip
         # Resolved once; the public attributes below are read-only by convention.
-        self._setup: _Setup = resolve("no" if mixed_precision is None else mixed_precision, cpu, kwargs_handlers)
+        self._setup: _Setup = resolve(
+            "no" if mixed_precision is None else mixed_precision, cpu, kwargs_handlers
+        )
         setup = self._setup
         self.mixed_precision: str = setup.mixed_precision
         self.handlers: list[KwargsHandler] = setup.handlers

@@ -41,7 +41,9 @@ class _Options:
 
 def _require(name: str, value: Any, kind: type | tuple[type, ...], wanted: str) -> None:
     if value is not None and not isinstance(value, kind):
-        raise TypeError(f"{name} must be {wanted} or None, got {value!r} of type {type(value).__name__}")
+        raise TypeError(
+            f"{name} must be {wanted} or None, got {value!r} of type {type(value).__name__}"
+        )
 
 
 def _trackers(log_with: Any) -> list[Any]:
@@ -107,12 +109,13 @@ def resolve_options(
     legacy = {"split_batches": split_batches, "even_batches": even_batches}
     given = {name: value for name, value in legacy.items() if value is not None}
     if given and dataloader_config is not None:
-        raise ValueError(
-            f"pass {' and '.join(given)} inside dataloader_config, not next to it"
-        )
+        raise ValueError(f"pass {' and '.join(given)} inside dataloader_config, not next to it")
     dataloader_config = dataloader_config or DataLoaderConfiguration(**given)
     _require(
-        "project_config", project_config, ProjectConfiguration, "a kwplug.utils.ProjectConfiguration"
+        "project_config",
+        project_config,
+        ProjectConfiguration,
+        "a kwplug.utils.ProjectConfiguration",
     )
     _require("project_dir", project_dir, (str, os.PathLike), "a path (str or os.PathLike)")
     project = project_config or ProjectConfiguration(project_dir=project_dir)

@@ -71,7 +71,10 @@ class _Prepared:
         """Each of ``objs`` prepared by type; one object, or a tuple in the same order.
         Schedulers are prepared last, so that they find their prepared optimizer."""
         prepared = [None if _is_scheduler(obj) else self._prepare_one(obj) for obj in objs]
-        prepared = [self.scheduler(o) if _is_scheduler(o) else p for o, p in zip(objs, prepared)]
+        prepared = [
+            self.scheduler(o) if _is_scheduler(o) else p
+            for o, p in zip(objs, prepared, strict=True)
+        ]
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _prepare_one(self, obj: Any) -> Any:
@@ -161,7 +164,7 @@ class _Prepared:
             loader, self.setup.device, process.world_size, process.rank, seed=seed
         )
         # Its iterations mark the last batch, which ends an accumulation (kwplug.data).
-        prepared.gradient_state = self.gradient_state  # type: ignore[attr-defined]
+        prepared.gradient_state = self.gradient_state
         self.dataloaders.append(prepared)
         return prepared
 
