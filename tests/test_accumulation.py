@@ -123,6 +123,23 @@ def test_loader_end_is_not_forced_without_sync_with_dataloader() -> None:
     assert seen == [False, False, True, False]
 
 
+def test_gradient_state_round_trip() -> None:
+    accelerator = kwplug.Accelerator(cpu=True, gradient_accumulation_steps=3)
+    with accelerator.accumulate():
+        pass
+    saved = accelerator.gradient_state.state_dict()
+    assert saved == {"step": 1, "sync_gradients": False}
+    resumed = kwplug.Accelerator(cpu=True, gradient_accumulation_steps=3)
+    resumed.gradient_state.load_state_dict(saved)
+    seen = []
+    for _ in range(2):
+        with resumed.accumulate():
+            seen.append(resumed.sync_gradients)
+    assert seen == [False, True]
+    accelerator.gradient_state.restart()
+    assert accelerator.gradient_state.step == 0
+
+
 def test_nested_loaders_end_of_dataloader() -> None:
     accelerator = kwplug.Accelerator(cpu=True)
     outer, inner = accelerator.prepare(_loader(2), _loader(2))
@@ -231,6 +248,8 @@ def test_adjust_scheduler_behaves_as_accelerates() -> None:
     assert scheduler.last_epoch == 2 and scheduler.scheduler._step_count == 3
 
 
+# The scheduler steps on micro-batches where the optimizer did not: torch warns, as intended.
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
 def test_step_scheduler_without_optimizer() -> None:
     accelerator = kwplug.Accelerator(
         cpu=True, gradient_accumulation_steps=2, step_scheduler_with_optimizer=False

@@ -133,6 +133,15 @@ class GradientState:
         finally:
             self.end_loader(loader)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the accumulation, for a checkpoint taken mid-accumulation
+        (``{"step": int, "sync_gradients": bool}``)."""
+        return {"step": self.step, "sync_gradients": self.sync_gradients}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a position from :meth:`state_dict`."""
+        self.step, self.sync_gradients = int(state["step"]), bool(state["sync_gradients"])
+
     def restart(self) -> None:
         """Forget the micro-batches counted so far (``Accelerator.free_memory``/``clear``, as
         Accelerate's ``free_memory`` resets its step): the next accumulation starts afresh."""

@@ -37,7 +37,7 @@ class Accelerator(_GradientAccumulation):
     scaler, the model wrapper (DDP) and the profiler -- comes from a hook call
     (:mod:`kwplug.hookspecs`), answered first by the handlers in ``kwargs_handlers``, then by
     third-party plugins, then by kwplug's built-ins. Hooks are called here and in
-    :meth:`prepare`, never per training step.
+    :meth:`prepare`; per training step only ``no_sync``, inside :meth:`accumulate`.
 
     Args:
         mixed_precision: ``"no"`` (default; ``None`` means it too), ``"fp16"``
@@ -67,6 +67,9 @@ class Accelerator(_GradientAccumulation):
         handlers: the checked ``kwargs_handlers``; ``plugin_manager``: this Accelerator's own
             ``KwplugPluginManager`` (a ``pluggy.PluginManager``).
         plan: who answered each ``firstresult`` hook (:class:`kwplug.Answer`).
+        gradient_state: where gradient accumulation is (``GradientState``); the keywords are
+            kept as ``dataloader_config``, ``project_configuration``, ``log_with``,
+            ``step_scheduler_with_optimizer``.
 
     Raises:
         ValueError: ``mixed_precision`` is not one of ``"no"``, ``"fp16"``, ``"bf16"``; two
