@@ -48,15 +48,16 @@ class Accelerator(_GradientAccumulation):
             ``GradScalerKwargs``, ``InitProcessGroupKwargs``, ``ProfileKwargs``, a subclass of
             one, or a third-party handler), at most one per class.
         gradient_accumulation_steps: ``int`` >= 1, default 1; micro-batches per optimizer
-            step in :meth:`accumulate`. ``gradient_accumulation_plugin``: a
-            ``kwplug.utils.GradientAccumulationPlugin`` instead (not both).
-        dataloader_config: a ``kwplug.utils.DataLoaderConfiguration`` (default: its
-            defaults); ``split_batches``/``even_batches``: its fields, legacy keywords.
-        project_dir, project_config: a folder or ``kwplug.utils.ProjectConfiguration`` for
-            checkpoints and logs (:attr:`project_dir`, :attr:`logging_dir`).
+            step in :meth:`accumulate`.
+        gradient_accumulation_plugin: a ``kwplug.utils.GradientAccumulationPlugin`` instead.
+        dataloader_config: a ``kwplug.utils.DataLoaderConfiguration`` (default: defaults).
+        project_dir: the folder for checkpoints and logs (:attr:`project_dir`).
+        project_config: a ``kwplug.utils.ProjectConfiguration`` instead.
         log_with: tracker names or objects, kept as the list :attr:`log_with`.
         step_scheduler_with_optimizer: default ``True``; prepared schedulers step only when
             the optimizers do (see :class:`kwplug.scheduler.AcceleratedScheduler`).
+        split_batches: legacy; a ``dataloader_config`` field.
+        even_batches: legacy; a ``dataloader_config`` field.
 
     Attributes:
         device: the ``torch.device`` this process trains on (``device_type``: its type).
