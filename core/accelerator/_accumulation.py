@@ -236,6 +236,18 @@ class _GradientAccumulation:
     def gradient_accumulation_steps(self, value: int) -> None:
         self.gradient_state.num_steps = value
 
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)`` of ``loss / gradient_accumulation_steps``, through the
+        gradient scaler when there is one."""
+        if self.gradient_state.num_steps > 1:
+            loss = loss / self.gradient_state.num_steps
+        updates = self._prepared.scaler_updates
+        if updates is None:
+            loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+            return
+        updates.flush()  # the previous step's pending GradScaler.update()
+        updates.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]
+
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether a prepared optimizer's last step was skipped because of inf/NaN gradients

@@ -240,18 +240,6 @@ class Accelerator(_GradientAccumulation):
         )
         return (factory or contextlib.nullcontext)()
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward(**kwargs)`` of ``loss / gradient_accumulation_steps``, through the
-        gradient scaler when there is one."""
-        if self.gradient_state.num_steps > 1:
-            loss = loss / self.gradient_state.num_steps
-        updates = self._prepared.scaler_updates
-        if updates is None:
-            loss.backward(**kwargs)  # type: ignore[no-untyped-call]
-            return
-        updates.flush()  # the previous step's pending GradScaler.update()
-        updates.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]
-
     # -- distributed helpers (kwplug.accelerator._ops) ----------------------------------------
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -379,8 +367,8 @@ class Accelerator(_GradientAccumulation):
         self._prepared.clear()
         end_process_group()
 
-    # -- gradient accumulation: accumulate, no_sync, sync_gradients, prepare_scheduler,
-    # clip_grad_norm_/value_, project_dir... live in the base class (._accumulation).
+    # -- gradient accumulation: accumulate, no_sync, sync_gradients, backward, clip_grad_norm_,
+    # prepare_scheduler, project_dir... live in the base class (._accumulation).
 
     # -- internals: the prepared objects, and hook calls through the setup's plugins ----------
 
