@@ -80,7 +80,11 @@ class PreparedDataLoader(DataLoader[Any]):
         if self.generator is not None:
             self._epoch_generator_state = self.generator.get_state()
         cpu = self.device.type == "cpu"
-        for index, batch in enumerate(super().__iter__()):
+        batches: Iterator[tuple[int, Any]] = enumerate(super().__iter__())
+        tracker = getattr(self, "gradient_state", None)  # set by Accelerator.prepare
+        if tracker is not None:  # marks the last batch: it ends a gradient accumulation
+            batches = tracker.track(self, batches)
+        for index, batch in batches:
             if index < skip:
                 continue
             self.batches_yielded = index + 1

@@ -11,8 +11,9 @@ defaults. For ``firstresult`` hooks the first answer that is not ``None`` wins, 
 ``"cuda"``, ``"xpu"``, ...) so that a backend plugin answers for its device and declines for the
 others.
 
-The core calls these hooks only at construction, in ``prepare()``, in ``autocast(handler)``
-when a per-call handler is given, and at each entry of ``profile()`` -- never per training
+The core calls these hooks at construction, in ``prepare()``, in ``autocast(handler)`` when a
+per-call handler is given, at each entry of ``profile()``, and ``no_sync`` on the accumulation
+steps of ``accumulate()`` that skip gradient synchronisation -- no other hook per training
 step.
 """
 
@@ -212,6 +213,29 @@ class HandlerSpec:
 
         Called by: ``accelerator.profile(handler=None)`` each time it is entered (profiling is
         not a per-step path). ``firstresult``: yes.
+        """
+
+    @spec(ONE_ANSWER)
+    def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[Any] | None:
+        """Return a context manager in which ``model`` skips gradient synchronisation, or
+        ``None``.
+
+        Inside the context, backward passes accumulate gradients locally without
+        communicating; the first backward after it synchronises the accumulated gradients
+        (e.g. ``DistributedDataParallel.no_sync()``, FSDP2's
+        ``set_requires_gradient_sync(False)`` restored on exit).
+
+        Args:
+            model: a model returned by ``Accelerator.prepare`` (the wrapper a plugin built).
+
+        Returns:
+            A fresh, not yet entered context manager, or ``None`` for "not mine" (e.g. the
+            model is not this plugin's wrapper). If no plugin answers, ``Accelerator.no_sync``
+            returns ``contextlib.nullcontext()``: the model does not synchronise anyway.
+
+        Called by: ``Accelerator.no_sync(model)``, which ``Accelerator.accumulate(*models)``
+        enters for each model on the micro-batches that do not end an accumulation (not at
+        all with ``gradient_accumulation_steps=1``). ``firstresult``: yes.
         """
 
     @spec(ADDITIVE)

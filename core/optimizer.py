@@ -1,56 +1,183 @@
-"""The optimizer wrapper used when a gradient scaler is active."""
+"""The wrapper every optimizer prepared by an ``Accelerator`` goes through.
+
+:class:`AcceleratedOptimizer` skips ``step`` and ``zero_grad`` while gradients are being
+accumulated (``Accelerator.accumulate``), and steps through the gradient scaler under fp16.
+:class:`ScalerUpdates` makes the optimizers of one Accelerator share one
+``GradScaler.update()`` per training step.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 
-class ScaledOptimizer(torch.optim.Optimizer):
-    """Steps an optimizer through a ``torch.amp.GradScaler``.
+class SyncState(Protocol):
+    """What the wrapper reads from the Accelerator: whether this step synchronises gradients
+    (``False`` inside ``accumulate()`` before the last micro-batch)."""
 
-    ``step()`` is ``scaler.step(optimizer)`` then ``scaler.update()``: the step is skipped
-    when the scaled gradients hold inf/NaN, and the scale is adjusted. Every other attribute
-    (``param_groups``, ``state``, ``zero_grad``, ``state_dict``, ...) is the wrapped
-    optimizer's. Without a scaler, ``Accelerator.prepare`` returns the optimizer itself, so
-    training in fp32 or bf16 pays nothing for this class.
+    @property
+    def sync_gradients(self) -> bool:
+        """``True`` on a step that ends with an optimizer step."""
+
+
+class ScalerUpdates:
+    """Calls ``scaler.update()`` once per training step for every optimizer sharing it.
+
+    ``GradScaler.update`` must follow the ``scaler.step`` of *every* optimizer of the step:
+    updating after each one would unscale the next optimizer's gradients with a scale they
+    were not multiplied by, grow the scale once per optimizer after a clean step and undo an
+    overflow's back-off. The update runs when each member optimizer has stepped, or -- when
+    only some of them step (alternating optimizers) -- at the start of the next step
+    (:meth:`flush`: ``Accelerator.backward``, gradient clipping, or a second step of one
+    optimizer).
 
     Attributes:
-        optimizer: the wrapped ``torch.optim.Optimizer``.
-        scaler: the ``torch.amp.GradScaler``.
+        scaler: the shared ``torch.amp.GradScaler``.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+        self._members: set[int] = set()
+        self._stepped: set[int] = set()
+
+    def add(self, optimizer: AcceleratedOptimizer) -> None:
+        """Count ``optimizer`` among those that step before the shared update."""
+        self._members.add(id(optimizer))
+
+    def discard(self, optimizer: AcceleratedOptimizer) -> None:
+        """Stop waiting for ``optimizer`` (it is no longer prepared)."""
+        self._members.discard(id(optimizer))
+        self._stepped.discard(id(optimizer))
+
+    def stepping(self, optimizer: AcceleratedOptimizer) -> None:
+        """Called before ``optimizer`` steps: a second step of one optimizer is a new step."""
+        if id(optimizer) in self._stepped:
+            self.flush()
+
+    def stepped(self, optimizer: AcceleratedOptimizer) -> None:
+        """Called after ``optimizer`` stepped; updates once every member has."""
+        self._stepped.add(id(optimizer))
+        if self._stepped >= self._members:
+            self.flush()
+
+    def flush(self) -> None:
+        """``scaler.update()`` if any optimizer stepped since the last update."""
+        if self._stepped:
+            self._stepped.clear()
+            self.scaler.update()
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """An optimizer prepared by an ``Accelerator``.
+
+    ``step()`` and ``zero_grad()`` do nothing on the micro-batches of a gradient accumulation
+    that do not end with an optimizer step (``gradient_state.sync_gradients`` false), as
+    Accelerate's ``AcceleratedOptimizer``. With a gradient scaler, ``step()`` is
+    ``scaler.step(optimizer)``: skipped when the scaled gradients hold inf/NaN
+    (:attr:`step_was_skipped`), with one ``scaler.update()`` per training step shared by every
+    optimizer of the Accelerator (:class:`ScalerUpdates`). Every other attribute
+    (``param_groups``, ``state``, ``state_dict``, ...) is the wrapped optimizer's.
+
+    Args:
+        optimizer: the ``torch.optim.Optimizer`` to wrap.
+        scaler: the ``torch.amp.GradScaler`` (fp16), or ``None`` (default).
+        gradient_state: whether the current step synchronises gradients; ``None`` (default):
+            every step does.
+        scaler_updates: the :class:`ScalerUpdates` shared with the other optimizers using
+            ``scaler``; default: one of its own.
+
+    Attributes:
+        optimizer: the wrapped optimizer.
+        scaler: the gradient scaler or ``None``.
+        gradient_state: as given.
     """
 
     # Subclassing Optimizer (without its __init__) keeps isinstance checks, e.g. in LR
     # schedulers, working on the prepared optimizer.
     def __init__(  # pylint: disable=super-init-not-called
-        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+        self,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None = None,
+        gradient_state: SyncState | None = None,
+        scaler_updates: ScalerUpdates | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.scaler = scaler
-        self._last_scale = -1.0
+        self.gradient_state = gradient_state
+        self._is_overflow = False
+        self._unscaled = False
+        self._ran = False
+        self._updates: ScalerUpdates | None = None
+        if scaler is not None:
+            self._updates = scaler_updates or ScalerUpdates(scaler)
+            self._updates.add(self)
+            # GradScaler.step skips optimizer.step() on inf/NaN; a post-step hook (public
+            # torch API) tells whether it ran.
+            register = getattr(optimizer, "register_step_post_hook", None)
+            if register is not None:
+                register(self._record_step)
+
+    def _record_step(self, *_: Any) -> None:
+        self._ran = True
+
+    @property
+    def _syncing(self) -> bool:
+        return self.gradient_state is None or self.gradient_state.sync_gradients
 
     def step(  # type: ignore[override]
         self, closure: Callable[[], float] | None = None
     ) -> float | None:
-        """``scaler.step(optimizer, closure)`` followed by ``scaler.update()``."""
-        self._last_scale = self.scaler.get_scale()
-        if closure is None:
-            result = self.scaler.step(self.optimizer)
-        else:
-            result = self.scaler.step(self.optimizer, closure)
-        self.scaler.update()
+        """Step the wrapped optimizer, through the scaler when there is one; nothing on an
+        accumulation step that does not synchronise gradients."""
+        if not self._syncing:
+            return None
+        if self.scaler is None or self._updates is None:
+            return self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self._updates.stepping(self)
+        self._ran = False
+        result: float | None = (
+            self.scaler.step(self.optimizer)
+            if closure is None
+            else self.scaler.step(self.optimizer, closure)
+        )
+        self._is_overflow = not self._ran
+        self._unscaled = False
+        self._updates.stepped(self)
         return result
+
+    def unscale_gradients(self) -> None:
+        """``scaler.unscale_(optimizer)`` once per optimizer step (later calls, and calls
+        without a scaler, do nothing)."""
+        if self.scaler is None or self._unscaled or self._updates is None:
+            return
+        self._updates.stepping(self)  # a pending update belongs to the previous step
+        self.scaler.unscale_(self.optimizer)
+        self._unscaled = True
 
     @property
     def step_was_skipped(self) -> bool:
-        """True when the last ``step()`` was skipped because of inf/NaN gradients."""
-        return self.scaler.get_scale() < self._last_scale
+        """True when the last synchronising ``step()`` was skipped by the gradient scaler
+        because the gradients held inf/NaN."""
+        return self._is_overflow
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """``optimizer.zero_grad(set_to_none)``."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """``optimizer.zero_grad(set_to_none)`` (default ``True``) on a synchronising step;
+        nothing while gradients accumulate."""
+        if self._syncing:
+            self.optimizer.zero_grad(set_to_none=True if set_to_none is None else set_to_none)
+
+    def train(self) -> None:
+        """``optimizer.train()`` when the wrapped optimizer has one (schedule-free)."""
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()  # type: ignore[attr-defined]
+
+    def eval(self) -> None:
+        """``optimizer.eval()`` when the wrapped optimizer has one (schedule-free)."""
+        if callable(getattr(self.optimizer, "eval", None)):
+            self.optimizer.eval()  # type: ignore[attr-defined]
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()``."""
@@ -59,6 +186,10 @@ class ScaledOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The wrapped optimizer's ``load_state_dict``."""
         self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """The wrapped optimizer's ``add_param_group``."""
+        self.optimizer.add_param_group(param_group)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -80,7 +211,13 @@ class ScaledOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":  # during unpickling, before __dict__ is filled
+            raise AttributeError(name)
         return getattr(self.optimizer, name)
 
     def __repr__(self) -> str:
-        return f"ScaledOptimizer({self.optimizer!r})"
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+
+#: The earlier name of :class:`AcceleratedOptimizer` (kept importable).
+ScaledOptimizer = AcceleratedOptimizer

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import enum
+import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -15,6 +18,7 @@ import torch.distributed as dist
 from kwplug import checkpoint
 from kwplug._plugins import discover
 from kwplug.comm_hooks import CommHook, HookFn
+from kwplug.errors import KwplugWarning
 from kwplug.handler import TO_KWARGS, KwargsHandler
 from kwplug.hookspecs import hookimpl
 from kwplug.plugins import ddp_comm_hooks
@@ -359,3 +363,36 @@ class DistributedDataParallelKwargs(KwargsHandler):
             # Checkpoints save the hook's state (PowerSGD's error feedback) through this.
             checkpoint.attach_state(ddp, state)
         return ddp
+
+    @hookimpl
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any] | None:
+        """``model.no_sync()`` when ``model`` is a ``DistributedDataParallel``; ``None``
+        otherwise.
+
+        Under it DDP neither reduces gradients nor calls the communication hook, so a
+        stateful hook (PowerSGD's step counter and error feedback) advances only on the
+        synchronising backward. Exception: with ``static_graph=True``, torch's ``no_sync``
+        crashes the first backward (``expect_autograd_hooks_`` assertion) and, past it,
+        stops reducing gradients (pytorch/pytorch#143580, #187732); the model then
+        synchronises every micro-batch instead (``contextlib.nullcontext()``; the same sum
+        for an exact all-reduce, more communication) and a ``KwplugWarning`` says so once.
+        """
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return None
+        if getattr(model, "static_graph", False):
+            if model not in _WARNED_STATIC:
+                _WARNED_STATIC.add(model)
+                warnings.warn(
+                    "DistributedDataParallelKwargs(static_graph=True): gradients are "
+                    "synchronised on every accumulation micro-batch, because torch's "
+                    "DistributedDataParallel.no_sync() is broken with a static graph "
+                    "(pytorch/pytorch#143580); use static_graph=False to skip them",
+                    KwplugWarning,
+                    stacklevel=2,
+                )
+            return contextlib.nullcontext()
+        return model.no_sync()
+
+
+# Static-graph DDP models already warned about (see no_sync).
+_WARNED_STATIC: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()

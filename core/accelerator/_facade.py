@@ -15,35 +15,49 @@ from torch.utils.data import DataLoader
 
 from kwplug import checkpoint
 from kwplug._plugins import Answer, KwplugPluginManager
-from kwplug.accelerator import _ops, _saving
+from kwplug.accelerator import _ops
+from kwplug.accelerator._accumulation import GradientState, _GradientAccumulation
+from kwplug.accelerator._io import _TrackersAndSaving
+from kwplug.accelerator._options import resolve_options
 from kwplug.accelerator._prepare import _Prepared
 from kwplug.accelerator._setup import _Setup, resolve
-from kwplug.accelerator._tracking import LogWith, _Trackers, project_configuration
+from kwplug.accelerator._tracking import LogWith, _Trackers
 from kwplug.comm_hooks import CommHook
 from kwplug.environment import end_process_group
 from kwplug.handler import KwargsHandler
-from kwplug.optimizer import ScaledOptimizer
-from kwplug.tracking import GeneralTracker
-from kwplug.utils import ProjectConfiguration
+from kwplug.optimizer import AcceleratedOptimizer
+from kwplug.utils.dataclasses import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+)
 
 
-class Accelerator:
+class Accelerator(_GradientAccumulation, _TrackersAndSaving):
     """Runs a training loop on the device and processes chosen by torchrun, through plugins.
 
     Every torch object it builds -- the process group, the autocast context, the gradient
     scaler, the model wrapper (DDP) and the profiler -- comes from a hook call
     (:mod:`kwplug.hookspecs`), answered first by the handlers in ``kwargs_handlers``, then by
     third-party plugins, then by kwplug's built-ins. Hooks are called here and in
-    :meth:`prepare`, never per training step.
+    :meth:`prepare`; per training step only ``no_sync``, inside :meth:`accumulate`.
 
     Args:
-        mixed_precision: ``"no"`` (default), ``"fp16"`` (``torch.autocast`` to float16 and a
-            ``torch.amp.GradScaler``) or ``"bf16"`` (autocast to bfloat16, no scaler). Works
-            on CPU too.
+        mixed_precision: ``"no"`` (default; ``None`` means it too), ``"fp16"``
+            (``torch.autocast`` to float16 and a ``torch.amp.GradScaler``) or ``"bf16"``
+            (autocast to bfloat16, no scaler). Works on CPU too.
         cpu: train on the CPU even when an accelerator is available.
         kwargs_handlers: handler instances (``AutocastKwargs``, ``DistributedDataParallelKwargs``,
             ``GradScalerKwargs``, ``InitProcessGroupKwargs``, ``ProfileKwargs``, a subclass of
             one, or a third-party handler), at most one per class.
+        gradient_accumulation_steps: ``int`` >= 1, default 1; micro-batches per optimizer
+            step in :meth:`accumulate`.
+        gradient_accumulation_plugin: a ``kwplug.utils.GradientAccumulationPlugin`` instead.
+        dataloader_config: a ``kwplug.utils.DataLoaderConfiguration`` (default: defaults).
+        step_scheduler_with_optimizer: default ``True``; prepared schedulers step only when
+            the optimizers do (see :class:`kwplug.scheduler.AcceleratedScheduler`).
+        split_batches: legacy; a ``dataloader_config`` field.
+        even_batches: legacy; a ``dataloader_config`` field.
         log_with: trackers for :meth:`log`: a name a plugin contributes (built in:
             ``"tensorboard"``, ``"jsonl"``), ``"all"`` (every available one), a
             :class:`kwplug.tracking.GeneralTracker` instance, or a list of those; default none.
@@ -60,12 +74,17 @@ class Accelerator:
         handlers: the checked ``kwargs_handlers``; ``plugin_manager``: this Accelerator's own
             ``KwplugPluginManager`` (a ``pluggy.PluginManager``).
         plan: who answered each ``firstresult`` hook (:class:`kwplug.Answer`).
+        gradient_state: where gradient accumulation is (``GradientState``); the keywords are
+            kept as ``dataloader_config``, ``project_configuration``, ``log_with``,
+            ``step_scheduler_with_optimizer``.
 
     Raises:
         ValueError: ``mixed_precision`` is not one of ``"no"``, ``"fp16"``, ``"bf16"``; two
-            handlers share a class; a torchrun variable is malformed.
+            handlers share a class; a torchrun variable is malformed;
+            ``gradient_accumulation_steps < 1`` or given with ``gradient_accumulation_plugin``.
         TypeError: ``cpu`` is not a bool; ``kwargs_handlers`` holds something that is not a
-            handler instance; ``log_with`` holds something else than names and trackers.
+            handler instance; another keyword has the wrong type (the message names it);
+            ``log_with`` holds something else than names and trackers.
         ValueError: (also) an unknown tracker name (lists the available ones), or a tracker
             writing files while no ``project_dir``/``logging_dir`` is set.
         RuntimeError: ``WORLD_SIZE > 1`` but no plugin initialised the process group.
@@ -75,15 +94,29 @@ class Accelerator:
 
     def __init__(
         self,
-        mixed_precision: Literal["no", "fp16", "bf16"] | str = "no",
+        mixed_precision: Literal["no", "fp16", "bf16"] | str | None = "no",
         cpu: bool = False,
         kwargs_handlers: Sequence[KwargsHandler] | None = None,
-        log_with: LogWith = None,
+        *,
+        gradient_accumulation_steps: int = 1,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        dataloader_config: DataLoaderConfiguration | None = None,
         project_dir: str | os.PathLike[str] | None = None,
         project_config: ProjectConfiguration | None = None,
+        log_with: LogWith = None,
+        step_scheduler_with_optimizer: bool = True,
+        split_batches: bool | None = None,
+        even_batches: bool | None = None,
     ) -> None:
+        options = resolve_options(
+            gradient_accumulation_steps, gradient_accumulation_plugin, dataloader_config,
+            project_dir, project_config, log_with, step_scheduler_with_optimizer,
+            split_batches, even_batches,
+        )  # fmt: skip
         # Resolved once; the public attributes below are read-only by convention.
-        self._setup: _Setup = resolve(mixed_precision, cpu, kwargs_handlers)
+        self._setup: _Setup = resolve(
+            "no" if mixed_precision is None else mixed_precision, cpu, kwargs_handlers
+        )
         setup = self._setup
         self.mixed_precision: str = setup.mixed_precision
         self.handlers: list[KwargsHandler] = setup.handlers
@@ -97,10 +130,16 @@ class Accelerator:
         self.local_process_index: int = setup.process.local_rank
         self.comm_hooks: dict[str, CommHook] = setup.comm_hooks
         self.scaler: torch.amp.GradScaler | None = setup.scaler
-        self._prepared = _Prepared(setup, self.plan)
-        self.project_configuration = project_configuration(project_dir, project_config)
+        self.dataloader_config: DataLoaderConfiguration = options.dataloader_config
+        self.project_configuration: ProjectConfiguration = options.project_configuration
+        self.log_with: list[Any] = options.log_with
+        self.step_scheduler_with_optimizer: bool = options.step_scheduler_with_optimizer
+        self.gradient_state = GradientState.from_plugin(options.gradient_accumulation)
+        self._prepared = _Prepared(
+            setup, self.plan, gradient_state=self.gradient_state, options=options
+        )
         self._trackers = _Trackers.resolve(
-            setup.plugins, log_with, self.logging_dir, self.is_main_process
+            setup.plugins, self.log_with, self.logging_dir, self.is_main_process
         )
 
     @classmethod
@@ -143,8 +182,11 @@ class Accelerator:
 
         - ``torch.nn.Module``: moved to :attr:`device`, then wrapped through the
           ``wrap_model`` hook (DDP when ``num_processes > 1`` by default).
-        - ``torch.optim.Optimizer``: returned as is, or wrapped in a
-          :class:`~kwplug.optimizer.ScaledOptimizer` when a gradient scaler is active.
+        - ``torch.optim.Optimizer``: wrapped in a :class:`~kwplug.optimizer.AcceleratedOptimizer`
+          (skips steps while gradients accumulate; steps through the gradient scaler).
+        - ``torch.optim.lr_scheduler.LRScheduler``: wrapped in a
+          :class:`~kwplug.scheduler.AcceleratedScheduler` (after the other objects, so it finds
+          its optimizer) and saved by :meth:`save_state`.
         - ``torch.utils.data.DataLoader``: sharded per rank with ``DistributedSampler``
           semantics, batches moved to :attr:`device`.
         - anything else: returned unchanged.
@@ -168,7 +210,7 @@ class Accelerator:
         return self._prepared.model(model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Return ``optimizer``, stepping through the gradient scaler when there is one.
+        """Wrap ``optimizer`` in an :class:`~kwplug.optimizer.AcceleratedOptimizer`.
 
         When a prepared model's wrapper replaced parameters, the optimizer's param groups are
         pointed at the replacements first.
@@ -205,30 +247,6 @@ class Accelerator:
             mixed_precision=self.mixed_precision,
         )
         return (factory or contextlib.nullcontext)()
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward(**kwargs)``, through the gradient scaler when there is one."""
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]
-        else:
-            loss.backward(**kwargs)  # type: ignore[no-untyped-call]
-
-    def clip_grad_norm_(
-        self, parameters: Any, max_norm: float, norm_type: float = 2.0
-    ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` after unscaling the gradients (fp16).
-
-        With a gradient scaler, every prepared optimizer's gradients are unscaled first
-        (``GradScaler.unscale_``), so call this at most once per step, between
-        :meth:`backward` and ``optimizer.step()``.
-
-        Returns:
-            The total gradient norm before clipping (a 0-d tensor).
-        """
-        if self.scaler is not None:
-            for optimizer in self._scaled_optimizers:
-                self.scaler.unscale_(optimizer.optimizer)
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     # -- distributed helpers (kwplug.accelerator._ops) ----------------------------------------
 
@@ -360,76 +378,8 @@ class Accelerator:
         self._prepared.clear()
         end_process_group()
 
-    # -- trackers and saving (kwplug.accelerator._tracking, _saving) -------------------------
-
-    @property
-    def project_dir(self) -> str | None:
-        """``project_configuration.project_dir``."""
-        return self.project_configuration.project_dir
-
-    @property
-    def logging_dir(self) -> str | None:
-        """``project_configuration.logging_dir``, where trackers write."""
-        return self.project_configuration.logging_dir
-
-    @property
-    def trackers(self) -> list[GeneralTracker]:
-        """The trackers :meth:`init_trackers` started (none off the main process)."""
-        return list(self._trackers.started)
-
-    def init_trackers(
-        self, project_name: str, config: Mapping[str, Any] | None = None, init_kwargs: Any = None
-    ) -> None:
-        """Start the ``log_with`` trackers on the main process, store ``config`` in each;
-        ``init_kwargs[name]`` goes to that tracker's factory (see :mod:`kwplug.tracking`)."""
-        self._trackers.init(project_name, config, init_kwargs)
-
-    def log(
-        self, values: Mapping[str, Any], step: int | None = None, log_kwargs: Any = None
-    ) -> None:
-        """Log ``values`` at ``step`` to every started tracker (main process only);
-        ``log_kwargs[name]`` goes to that tracker's ``log``."""
-        self._trackers.log(values, step, log_kwargs)
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The started tracker ``name`` (its ``tracker`` object when ``unwrap``); a do-nothing
-        ``GeneralTracker`` off the main process. Raises ``ValueError`` for an unknown name."""
-        return self._trackers.get(name, unwrap)
-
-    def unwrap_model(
-        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True
-    ) -> torch.nn.Module:
-        """The user's module inside torch's wrappers and plugins' (``unwrap_model`` hook);
-        ``keep_fp32_wrapper`` is Accelerate's (kwplug never patches ``forward``)."""
-        return _saving.unwrap(model, self.plugin_manager)
-
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
-        """The full state dict (a sharded model's gathered to rank 0, on the CPU)."""
-        return _saving.get_state_dict(model, self.plugin_manager, unwrap)
-
-    def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
-        """``torch.save`` (or safetensors) on the main process (each node's with
-        ``save_on_each_node``)."""
-        if self._writes_files:
-            _saving.save(obj, f, safe_serialization)
-
-    def save_model(
-        self,
-        model: torch.nn.Module,
-        save_directory: str | os.PathLike[str],
-        max_shard_size: int | str = "10GB",
-        safe_serialization: bool = True,
-    ) -> None:
-        """Save the weights as Accelerate does (same files, same tensors; see
-        :mod:`kwplug.accelerator._saving`). Every rank calls it; the main process writes."""
-        state_dict = self.get_state_dict(model)
-        if self._writes_files:
-            _saving.save_model(state_dict, save_directory, max_shard_size, safe_serialization)
-
-    @property
-    def _writes_files(self) -> bool:
-        config = self.project_configuration
-        return self.is_local_main_process if config.save_on_each_node else self.is_main_process
+    # -- gradient accumulation: accumulate, no_sync, sync_gradients, backward, clip_grad_norm_,
+    # prepare_scheduler, project_dir... live in the base class (._accumulation).
 
     # -- internals: the prepared objects, and hook calls through the setup's plugins ----------
 
@@ -438,11 +388,11 @@ class Accelerator:
         return self._prepared.models
 
     @property
-    def _optimizers(self) -> list[torch.optim.Optimizer]:
+    def _optimizers(self) -> list[AcceleratedOptimizer]:
         return self._prepared.optimizers
 
     @property
-    def _scaled_optimizers(self) -> list[ScaledOptimizer]:
+    def _scaled_optimizers(self) -> list[AcceleratedOptimizer]:
         return self._prepared.scaled_optimizers
 
     @property

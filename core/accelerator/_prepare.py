@@ -10,10 +10,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from kwplug._plugins import Answer
+from kwplug.accelerator._accumulation import GradientState
+from kwplug.accelerator._options import _Options
 from kwplug.accelerator._setup import _Setup
 from kwplug.data import prepare_dataloader
-from kwplug.optimizer import ScaledOptimizer
+from kwplug.optimizer import AcceleratedOptimizer, ScalerUpdates
 from kwplug.params import ParameterRemap
+from kwplug.scheduler import AcceleratedScheduler
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -35,26 +38,44 @@ class _Prepared:
         setup: the Accelerator's resolved setup (device, ranks, plugins, scaler).
         plan: the Accelerator's record of who answered each hook (``wrap_model`` is added).
         models: prepared (wrapped) models.
-        optimizers: prepared optimizers (``ScaledOptimizer`` when a scaler is active).
-        scaled_optimizers: the ``ScaledOptimizer`` among them.
+        optimizers: prepared optimizers (each an ``AcceleratedOptimizer``).
+        scaled_optimizers: those stepping through the gradient scaler (fp16).
         dataloaders: prepared data loaders.
-        custom_objects: objects registered for checkpointing.
+        schedulers: prepared schedulers (``AcceleratedScheduler``).
+        custom_objects: objects registered for checkpointing (prepared schedulers too).
         remap: parameters that wrappers replaced (FSDP2), so that optimizers follow them.
+        gradient_state: where gradient accumulation is; read by prepared optimizers,
+            schedulers and data loaders.
+        options: the Accelerator's keywords (how prepared schedulers step); ``None``:
+            Accelerate's defaults.
     """
 
     setup: _Setup
     plan: dict[str, Answer]
     models: list[torch.nn.Module] = attrs.Factory(list)
-    optimizers: list[torch.optim.Optimizer] = attrs.Factory(list)
-    scaled_optimizers: list[ScaledOptimizer] = attrs.Factory(list)
+    optimizers: list[AcceleratedOptimizer] = attrs.Factory(list)
+    scaled_optimizers: list[AcceleratedOptimizer] = attrs.Factory(list)
     dataloaders: list[DataLoader[Any]] = attrs.Factory(list)
+    schedulers: list[AcceleratedScheduler] = attrs.Factory(list)
     custom_objects: list[Any] = attrs.Factory(list)
     remap: ParameterRemap = attrs.Factory(ParameterRemap)
+    gradient_state: GradientState = attrs.Factory(GradientState)
+    options: _Options | None = None
+    scaler_updates: ScalerUpdates | None = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        scaler = self.setup.scaler
+        self.scaler_updates = None if scaler is None else ScalerUpdates(scaler)
 
     def prepare(self, objs: tuple[Any, ...]) -> Any:
-        """Each of ``objs`` prepared by type; one object, or a tuple in the same order."""
-        prepared = tuple(self._prepare_one(obj) for obj in objs)
-        return prepared[0] if len(prepared) == 1 else prepared
+        """Each of ``objs`` prepared by type; one object, or a tuple in the same order.
+        Schedulers are prepared last, so that they find their prepared optimizer."""
+        prepared = [None if _is_scheduler(obj) else self._prepare_one(obj) for obj in objs]
+        prepared = [
+            self.scheduler(o) if _is_scheduler(o) else p
+            for o, p in zip(objs, prepared, strict=True)
+        ]
+        return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _prepare_one(self, obj: Any) -> Any:
         if isinstance(obj, torch.nn.Module):
@@ -97,18 +118,44 @@ class _Prepared:
         self.models.append(result)
         return result
 
-    def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Point ``optimizer`` at replaced parameters; wrap it when a scaler is active."""
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        """Point ``optimizer`` at replaced parameters; wrap it in an ``AcceleratedOptimizer``
+        (stepping through the scaler when one is active)."""
         if self.remap:
             self.remap.apply(optimizer)
-        scaler = self.setup.scaler
-        if scaler is None or isinstance(optimizer, ScaledOptimizer):
-            self.optimizers.append(optimizer)
+        if isinstance(optimizer, AcceleratedOptimizer):  # prepared already (a retry loop)
+            if optimizer not in self.optimizers:
+                self.optimizers.append(optimizer)
             return optimizer
-        scaled = ScaledOptimizer(optimizer, scaler)
-        self.scaled_optimizers.append(scaled)
-        self.optimizers.append(scaled)
-        return scaled
+        scaler = self.setup.scaler
+        wrapped = AcceleratedOptimizer(optimizer, scaler, self.gradient_state, self.scaler_updates)
+        if scaler is not None:
+            self.scaled_optimizers.append(wrapped)
+        self.optimizers.append(wrapped)
+        return wrapped
+
+    def scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap ``scheduler`` in an ``AcceleratedScheduler`` following the prepared optimizer
+        it schedules (every prepared optimizer when none matches) and register it for
+        checkpointing."""
+        if isinstance(scheduler, AcceleratedScheduler):  # prepared already
+            if scheduler not in self.schedulers:
+                self.schedulers.append(scheduler)
+            return scheduler
+        options = self.options
+        target = getattr(scheduler, "optimizer", None)
+        mine = [o for o in self.optimizers if target is o or target is o.optimizer]
+        wrapped = AcceleratedScheduler(
+            scheduler,
+            mine or self.optimizers,
+            self.gradient_state,
+            num_processes=self.setup.process.world_size,
+            step_with_optimizer=options.step_scheduler_with_optimizer if options else True,
+            split_batches=options.dataloader_config.split_batches if options else False,
+        )
+        self.schedulers.append(wrapped)
+        self.custom_objects.append(wrapped)
+        return wrapped
 
     def data_loader(self, loader: DataLoader[Any], seed: int = 0) -> DataLoader[Any]:
         """Shard ``loader`` for this rank (:func:`kwplug.data.prepare_dataloader`)."""
@@ -116,6 +163,8 @@ class _Prepared:
         prepared = prepare_dataloader(
             loader, self.setup.device, process.world_size, process.rank, seed=seed
         )
+        # Its iterations mark the last batch, which ends an accumulation (kwplug.data).
+        prepared.gradient_state = self.gradient_state
         self.dataloaders.append(prepared)
         return prepared
 
@@ -125,4 +174,11 @@ class _Prepared:
         self.optimizers.clear()
         self.scaled_optimizers.clear()
         self.dataloaders.clear()
+        self.schedulers.clear()
         self.custom_objects.clear()
+        if self.scaler_updates is not None:
+            self.scaler_updates = ScalerUpdates(self.scaler_updates.scaler)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, AcceleratedScheduler))

@@ -4,7 +4,6 @@ hook (:mod:`kwplug.tracking`); they exist on the main process only."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,32 +11,10 @@ import attrs
 
 from kwplug._plugins import KwplugPluginManager
 from kwplug.tracking import GeneralTracker, TrackerFactory, merge_trackers
-from kwplug.utils import ProjectConfiguration
 
 #: What ``log_with`` accepts: ``None``, a tracker name, ``"all"``, a :class:`GeneralTracker`,
 #: or a list of those.
 LogWith = str | GeneralTracker | Sequence[str | GeneralTracker] | None
-
-
-def project_configuration(
-    project_dir: str | os.PathLike[str] | None, project_config: ProjectConfiguration | None
-) -> ProjectConfiguration:
-    """The Accelerator's ``ProjectConfiguration``: ``project_config`` (default: a new one),
-    with ``project_dir`` set on it when given (Accelerate's precedence).
-
-    Raises:
-        TypeError: ``project_config`` is not a ``kwplug.utils.ProjectConfiguration``.
-    """
-    if project_config is None:
-        project_config = ProjectConfiguration()
-    elif not isinstance(project_config, ProjectConfiguration):
-        raise TypeError(
-            "project_config must be a kwplug.utils.ProjectConfiguration or None, got "
-            f"{type(project_config).__name__}"
-        )
-    if project_dir is not None:
-        project_config.set_directories(project_dir)
-    return project_config
 
 
 @attrs.define(eq=False)

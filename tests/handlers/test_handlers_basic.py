@@ -209,7 +209,9 @@ def test_no_scaler_without_fp16(precision: str) -> None:
     accelerator = kwplug.Accelerator(mixed_precision=precision, cpu=True)
     assert accelerator.scaler is None
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-    assert accelerator.prepare(optimizer) is optimizer  # no wrapper, no per-step cost
+    prepared = accelerator.prepare(optimizer)
+    # Wrapped for gradient accumulation only: no scaler behind it.
+    assert prepared.optimizer is optimizer and prepared.scaler is None
 
 
 def test_clip_grad_norm_unscales_first() -> None:

@@ -195,7 +195,7 @@ def test_cli_plugins_lists_every_plugin_with_status(site: Path) -> None:
     assert rows["broken"]["default"] is None  # not loaded: not known
     assert rows["broken"]["status"].startswith("failed: ImportError: this plugin is broken")
     assert (
-        rows["ddp"]["hooks"] == ["validate_setup", "wrap_model"]
+        rows["ddp"]["hooks"] == ["no_sync", "validate_setup", "wrap_model"]
         and rows["ddp"]["source"] == "built-in"
     )
     # The names shown are the names the controls accept.

@@ -175,7 +175,7 @@ def test_prepare_single_process_returns_same_order() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)))
     out = accelerator.prepare(model, optimizer, loader, "other")
-    assert out[0] is model and out[1] is optimizer and out[3] == "other"
+    assert out[0] is model and out[1].optimizer is optimizer and out[3] == "other"
     assert isinstance(out[2], torch.utils.data.DataLoader) and len(out[2]) == len(loader)
     assert [b[0].shape for b in out[2]] == [b[0].shape for b in loader]
     assert accelerator.unwrap_model(model) is model

@@ -8,6 +8,7 @@ kwplug's public API.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -292,6 +293,29 @@ class FullyShardedKwargs(kwplug.KwargsHandler):
             fully_shard(module, **options)
         fully_shard(model, **options)  # the root last: it owns whatever is left
         return model
+
+    @kwplug.hookimpl
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None] | None:
+        """Skip FSDP2's gradient reduce-scatter while gradients accumulate.
+
+        For a model sharded by ``fully_shard`` (an ``FSDPModule``), returns a context that
+        calls ``model.set_requires_gradient_sync(False)`` (every sharded submodule) and
+        ``set_requires_gradient_sync(True)`` on exit: backward passes inside it keep unsharded
+        gradients locally, and the first backward after it reduce-scatters their sum.
+        ``None`` for any other model.
+        """
+        if not isinstance(model, _fsdp2().FSDPModule):
+            return None
+        return _gradient_sync_off(model)
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def _post_order(model: nn.Module) -> Iterator[nn.Module]:

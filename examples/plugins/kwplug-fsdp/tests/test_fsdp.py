@@ -312,7 +312,7 @@ def test_listed_as_third_party_plugin() -> None:
     (record,) = [r for r in plugins_json({}) if r["name"] == "fsdp"]
     assert record["distribution"] == "kwplug-fsdp"
     assert record["version"] == "0.1.0"
-    assert record["hooks"] == ["wrap_model"]
+    assert record["hooks"] == ["no_sync", "wrap_model"]
     assert record["status"] == "loaded"
     assert record["source"] == "third-party"
 
@@ -413,3 +413,9 @@ def test_digits_example_with_config(kwplug_plugins: PluginSandbox) -> None:
     assert "wrap_model: user[0]:kwplug_fsdp.FullyShardedKwargs" in output
     assert found["ranks_identical"] == "True", output
     assert float(found["final_accuracy"]) >= 0.95, output
+
+
+def test_no_sync_declines_a_model_it_did_not_shard() -> None:
+    # In one process the model is not sharded: not this plugin's wrapper, so None (and the
+    # Accelerator falls back to nullcontext). Sharded: tests/test_accumulation_distributed.py.
+    assert FullyShardedKwargs().no_sync(torch.nn.Linear(2, 2)) is None

@@ -1,0 +1,298 @@
+"""Gradient accumulation: the per-Accelerator :class:`GradientState` and the Accelerator
+methods built on it (``accumulate``, ``no_sync``, ``sync_gradients``, schedulers, clipping).
+
+The methods live in :class:`_GradientAccumulation`, a base class of ``Accelerator``, so that
+the facade stays short; they are public methods of ``Accelerator``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import attrs
+import torch
+
+from kwplug.utils.dataclasses import GradientAccumulationPlugin, ProjectConfiguration
+
+if TYPE_CHECKING:
+    from kwplug.accelerator._prepare import _Prepared
+    from kwplug.accelerator._setup import _Setup
+    from kwplug.scheduler import AcceleratedScheduler
+
+_T = TypeVar("_T")
+
+
+def _check_steps(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"gradient_accumulation_steps must be an int >= 1, got {value!r} of type "
+            f"{type(value).__name__}"
+        )
+    if value < 1:
+        raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {value!r}")
+    return value
+
+
+@attrs.define(eq=False)
+class GradientState:
+    """Where one Accelerator is in a gradient accumulation (Accelerate's ``GradientState``,
+    one per Accelerator instead of a process-wide singleton).
+
+    Attributes:
+        plugin_kwargs: the options given through ``GradientAccumulationPlugin`` (its
+            ``to_kwargs()``: the fields that differ from the defaults, as Accelerate keeps
+            them, so an option is in effect only when given).
+        sync_gradients: whether the current step ends with an optimizer step (``True``
+            outside ``accumulate()``).
+        step: micro-batches since the last synchronising step.
+    """
+
+    plugin_kwargs: dict[str, Any] = attrs.Factory(dict)
+    sync_gradients: bool = True
+    step: int = 0
+    _loaders: list[weakref.ref[Any]] = attrs.Factory(list)
+
+    @classmethod
+    def from_plugin(cls, plugin: GradientAccumulationPlugin) -> GradientState:
+        """The state for ``plugin`` (``num_steps=None`` means 1)."""
+        return cls(plugin_kwargs=plugin.to_kwargs())
+
+    @property
+    def num_steps(self) -> int:
+        """Micro-batches per optimizer step (``gradient_accumulation_steps``)."""
+        return int(self.plugin_kwargs.get("num_steps") or 1)
+
+    @num_steps.setter
+    def num_steps(self, value: int) -> None:
+        self.plugin_kwargs["num_steps"] = _check_steps(value)
+
+    @property
+    def adjust_scheduler(self) -> bool:
+        """Count accumulation steps in prepared schedulers' ``_step_count`` (only when
+        ``adjust_scheduler=True`` was given explicitly, as in Accelerate)."""
+        return bool(self.plugin_kwargs.get("adjust_scheduler", False))
+
+    @property
+    def sync_with_dataloader(self) -> bool:
+        """The last batch of a prepared data loader forces a synchronising step."""
+        return bool(self.plugin_kwargs.get("sync_with_dataloader", True))
+
+    @property
+    def sync_each_batch(self) -> bool:
+        """Synchronise gradients on every micro-batch (the optimizer still waits)."""
+        return bool(self.plugin_kwargs.get("sync_each_batch", False))
+
+    @property
+    def active_loader(self) -> Any:
+        """The innermost prepared data loader being iterated, or ``None``."""
+        while self._loaders:
+            loader = self._loaders[-1]()
+            if loader is not None:
+                return loader
+            self._loaders.pop()  # collected without finishing its iteration
+        return None
+
+    @property
+    def in_dataloader(self) -> bool:
+        """Whether a prepared data loader is being iterated."""
+        return self.active_loader is not None
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        """Whether the active loader has handed out its last batch of the epoch."""
+        return bool(getattr(self.active_loader, "end_of_dataloader", False))
+
+    def begin_loader(self, loader: Any) -> None:
+        """``loader`` starts an iteration: it becomes the active loader, not at its end."""
+        loader.end_of_dataloader = False
+        self._loaders.append(weakref.ref(loader))
+
+    def end_loader(self, loader: Any) -> None:
+        """``loader``'s iteration is over (finished or abandoned)."""
+        self._loaders = [ref for ref in self._loaders if ref() not in (loader, None)]
+
+    def track(self, loader: Any, batches: Iterable[_T]) -> Iterator[_T]:
+        """Yield ``batches`` while ``loader`` is the active loader, with
+        ``loader.end_of_dataloader`` set to ``True`` just before the last one (one batch is
+        read ahead to know it is the last, as Accelerate's loaders do)."""
+        self.begin_loader(loader)
+        try:
+            iterator = iter(batches)
+            try:
+                current = next(iterator)
+            except StopIteration:
+                return
+            for following in iterator:
+                yield current
+                current = following
+            loader.end_of_dataloader = True
+            yield current
+        finally:
+            self.end_loader(loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the accumulation, for a checkpoint taken mid-accumulation
+        (``{"step": int, "sync_gradients": bool}``)."""
+        return {"step": self.step, "sync_gradients": self.sync_gradients}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a position from :meth:`state_dict`."""
+        self.step, self.sync_gradients = int(state["step"]), bool(state["sync_gradients"])
+
+    def restart(self) -> None:
+        """Forget the micro-batches counted so far (``Accelerator.free_memory``/``clear``, as
+        Accelerate's ``free_memory`` resets its step): the next accumulation starts afresh."""
+        self.step = 0
+
+    def do_sync(self) -> None:
+        """Advance one micro-batch: synchronise every ``num_steps``-th one, and at the end of
+        a prepared data loader (which also restarts the count)."""
+        if self.sync_with_dataloader and self.end_of_dataloader:
+            self.step = 0
+            self.sync_gradients = True
+        else:
+            self.step += 1
+            self.sync_gradients = self.step % self.num_steps == 0
+
+
+class _GradientAccumulation:
+    """The Accelerator's gradient accumulation methods (a base class of ``Accelerator``)."""
+
+    _setup: _Setup
+    _prepared: _Prepared
+    gradient_state: GradientState
+    project_configuration: ProjectConfiguration
+
+    @property
+    def project_dir(self) -> str | None:
+        """``project_configuration.project_dir``: the folder for checkpoints, or ``None``."""
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        """``project_configuration.logging_dir``: the folder for trackers' logs, or ``None``."""
+        return self.project_configuration.logging_dir
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """Run one micro-batch of a gradient accumulation.
+
+        Each entry counts a micro-batch; every ``gradient_accumulation_steps``-th one, and the
+        last batch of a prepared data loader, is a synchronising step (:attr:`sync_gradients`).
+        On the others the ``models`` skip gradient synchronisation (:meth:`no_sync`, unless
+        ``sync_each_batch``), and prepared optimizers and schedulers skip ``step`` and
+        ``zero_grad``. :meth:`backward` divides the loss by the number of steps.
+
+        Args:
+            models: prepared models whose gradient synchronisation is suppressed on
+                non-synchronising steps.
+        """
+        state = self.gradient_state
+        state.do_sync()
+        skip = not state.sync_gradients and not (
+            self._setup.process.world_size > 1 and state.sync_each_batch
+        )
+        with contextlib.ExitStack() as stack:
+            if skip:
+                for model in models:
+                    stack.enter_context(self.no_sync(model))
+            yield
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """A context in which ``model``'s backward passes accumulate local gradients without
+        synchronising them across processes.
+
+        The context comes from the ``no_sync`` hook: ``DistributedDataParallel.no_sync()`` for
+        a DDP model (built-in DDP handler), ``set_requires_gradient_sync(False)`` for an FSDP2
+        model (kwplug-fsdp); ``contextlib.nullcontext()`` when no plugin answers (a model that
+        is not wrapped).
+        """
+        context = self._setup.plugins.call_first("no_sync", model=model).result
+        return contextlib.nullcontext() if context is None else context
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the current step synchronises gradients and steps the optimizers."""
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = value
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step; setting it takes effect at the next
+        :meth:`accumulate`.
+
+        Raises:
+            TypeError, ValueError: (setter) not an ``int`` >= 1.
+        """
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int) -> None:
+        self.gradient_state.num_steps = value
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)`` of ``loss / gradient_accumulation_steps``, through the
+        gradient scaler when there is one."""
+        if self.gradient_state.num_steps > 1:
+            loss = loss / self.gradient_state.num_steps
+        updates = self._prepared.scaler_updates
+        if updates is None:
+            loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+            return
+        updates.flush()  # the previous step's pending GradScaler.update()
+        updates.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether a prepared optimizer's last step was skipped because of inf/NaN gradients
+        (fp16); the learning rate should then not change."""
+        return any(getattr(opt, "step_was_skipped", False) for opt in self._prepared.optimizers)
+
+    def prepare_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> Any:
+        """Wrap ``scheduler`` in an :class:`~kwplug.scheduler.AcceleratedScheduler` (stepped
+        once per process per optimizer step, see there) and save it with :meth:`save_state`.
+        """
+        wrapped: AcceleratedScheduler = self._prepared.scheduler(scheduler)
+        return wrapped
+
+    def unscale_gradients(self) -> None:
+        """Unscale the gradients of every prepared optimizer (fp16 gradient scaler), once per
+        optimizer step; nothing without a scaler."""
+        for optimizer in self._prepared.optimizers:
+            unscale = getattr(optimizer, "unscale_gradients", None)
+            if unscale is not None:
+                unscale()
+
+    def clip_grad_norm_(
+        self, parameters: Any, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the unscaled gradients.
+
+        On a synchronising step the gradients are unscaled first (fp16; once per step, however
+        often this is called) and clipped. While gradients accumulate
+        (:attr:`sync_gradients` false) they are left alone -- they are partial, and scaled
+        under fp16 -- and the norm they have so far is returned.
+
+        Returns:
+            The total gradient norm before clipping (a 0-d tensor).
+        """
+        parameters = list(parameters)
+        if self.gradient_state.sync_gradients:
+            self.unscale_gradients()
+            return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(parameters, float("inf"), norm_type=norm_type)
+        scaler = self._setup.scaler
+        return norm / scaler.get_scale() if scaler is not None else norm
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """``torch.nn.utils.clip_grad_value_`` of the unscaled gradients, on a synchronising
+        step (the gradients are unscaled first under fp16); nothing while they accumulate."""
+        if self.gradient_state.sync_gradients:
+            self.unscale_gradients()
+            torch.nn.utils.clip_grad_value_(parameters, clip_value)

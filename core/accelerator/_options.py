@@ -1,0 +1,135 @@
+"""The ``Accelerator`` keywords that configure training rather than plugins:
+``gradient_accumulation_steps``/``gradient_accumulation_plugin``, ``dataloader_config``,
+``project_dir``/``project_config``, ``log_with``, ``step_scheduler_with_optimizer`` and the
+legacy ``split_batches``/``even_batches``, checked once at construction."""
+
+from __future__ import annotations
+
+import enum
+import os
+from typing import Any
+
+import attrs
+
+from kwplug.utils.dataclasses import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+)
+
+
+@attrs.frozen
+class _Options:
+    """What the keywords resolved to (the configuration objects stay mutable, as in
+    Accelerate: ``accelerator.even_batches = False`` changes ``dataloader_config``).
+
+    Attributes:
+        gradient_accumulation: the plugin (built from ``gradient_accumulation_steps`` when
+            none was given).
+        dataloader_config: how prepared data loaders shard.
+        project_configuration: checkpoint and logging folders.
+        log_with: the trackers asked for (names or tracker objects), ``[]`` for none.
+        step_scheduler_with_optimizer: prepared schedulers step only with the optimizer.
+    """
+
+    gradient_accumulation: GradientAccumulationPlugin
+    dataloader_config: DataLoaderConfiguration
+    project_configuration: ProjectConfiguration
+    log_with: list[Any]
+    step_scheduler_with_optimizer: bool
+
+
+def _require(name: str, value: Any, kind: type | tuple[type, ...], wanted: str) -> None:
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(
+            f"{name} must be {wanted} or None, got {value!r} of type {type(value).__name__}"
+        )
+
+
+def _trackers(log_with: Any) -> list[Any]:
+    # Type only: which names exist is the trackers' plugins' business.
+    if log_with is None:
+        return []
+    items = list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
+    for item in items:
+        if isinstance(item, bool) or not (
+            isinstance(item, (str, enum.Enum)) or callable(getattr(item, "log", None))
+        ):
+            raise TypeError(
+                "log_with must be a tracker name (str, e.g. 'tensorboard' or 'all'), a tracker "
+                f"object (with a log() method), a list of these, or None; got {item!r} of type "
+                f"{type(item).__name__}"
+            )
+    return items
+
+
+def resolve_options(
+    gradient_accumulation_steps: int,
+    gradient_accumulation_plugin: GradientAccumulationPlugin | None,
+    dataloader_config: DataLoaderConfiguration | None,
+    project_dir: str | os.PathLike[str] | None,
+    project_config: ProjectConfiguration | None,
+    log_with: Any,
+    step_scheduler_with_optimizer: bool,
+    split_batches: bool | None,
+    even_batches: bool | None,
+) -> _Options:
+    """Check the keywords and build :class:`_Options`.
+
+    Raises:
+        TypeError: a keyword has the wrong type (the message names it).
+        ValueError: ``gradient_accumulation_steps < 1``; both ``gradient_accumulation_steps``
+            (other than 1) and ``gradient_accumulation_plugin``; ``split_batches`` or
+            ``even_batches`` together with ``dataloader_config``.
+    """
+    from kwplug.accelerator._accumulation import _check_steps
+
+    _check_steps(gradient_accumulation_steps)
+    _require(
+        "gradient_accumulation_plugin",
+        gradient_accumulation_plugin,
+        GradientAccumulationPlugin,
+        "a kwplug.utils.GradientAccumulationPlugin",
+    )
+    if gradient_accumulation_plugin is None:
+        gradient_accumulation_plugin = GradientAccumulationPlugin(
+            num_steps=gradient_accumulation_steps
+        )
+    elif gradient_accumulation_steps != 1:
+        raise ValueError(
+            "pass only one of gradient_accumulation_steps and gradient_accumulation_plugin "
+            "(give the number of steps as GradientAccumulationPlugin(num_steps=...))"
+        )
+    _require(
+        "dataloader_config",
+        dataloader_config,
+        DataLoaderConfiguration,
+        "a kwplug.utils.DataLoaderConfiguration",
+    )
+    legacy = {"split_batches": split_batches, "even_batches": even_batches}
+    given = {name: value for name, value in legacy.items() if value is not None}
+    if given and dataloader_config is not None:
+        raise ValueError(f"pass {' and '.join(given)} inside dataloader_config, not next to it")
+    dataloader_config = dataloader_config or DataLoaderConfiguration(**given)
+    _require(
+        "project_config",
+        project_config,
+        ProjectConfiguration,
+        "a kwplug.utils.ProjectConfiguration",
+    )
+    _require("project_dir", project_dir, (str, os.PathLike), "a path (str or os.PathLike)")
+    project = project_config or ProjectConfiguration(project_dir=project_dir)
+    if project_dir is not None and project.project_dir is None:
+        project.set_directories(project_dir)
+    if not isinstance(step_scheduler_with_optimizer, bool):
+        raise TypeError(
+            "step_scheduler_with_optimizer must be a bool, got "
+            f"{type(step_scheduler_with_optimizer).__name__}"
+        )
+    return _Options(
+        gradient_accumulation=gradient_accumulation_plugin,
+        dataloader_config=dataloader_config,
+        project_configuration=project,
+        log_with=_trackers(log_with),
+        step_scheduler_with_optimizer=step_scheduler_with_optimizer,
+    )
