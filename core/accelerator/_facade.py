@@ -14,16 +14,18 @@ import torch
 from torch.utils.data import DataLoader
 
 from kwplug._plugins import Answer, KwplugPluginManager
-from kwplug.accelerator import _checkpointing, _ops
+from kwplug.accelerator import _checkpointing, _metrics, _ops
 from kwplug.accelerator._prepare import _Prepared, unwrap_model
+from kwplug.accelerator._process_api import _DataAndProcessAPI
 from kwplug.accelerator._setup import _Setup, resolve
 from kwplug.comm_hooks import CommHook
 from kwplug.environment import end_process_group
 from kwplug.handler import KwargsHandler
 from kwplug.optimizer import ScaledOptimizer
+from kwplug.utils.dataclasses import DataLoaderConfiguration
 
 
-class Accelerator:
+class Accelerator(_DataAndProcessAPI):
     """Runs a training loop on the device and processes chosen by torchrun, through plugins.
 
     Every torch object it builds -- the process group, the autocast context, the gradient
@@ -40,6 +42,13 @@ class Accelerator:
         kwargs_handlers: handler instances (``AutocastKwargs``, ``DistributedDataParallelKwargs``,
             ``GradScalerKwargs``, ``InitProcessGroupKwargs``, ``ProfileKwargs``, a subclass of
             one, or a third-party handler), at most one per class.
+        dataloader_config: how :meth:`prepare` shards data loaders
+            (:class:`~kwplug.utils.DataLoaderConfiguration`; default: its defaults).
+
+    Data loaders, distributed metrics and process control (``gather_for_metrics``,
+    ``main_process_first``, ``on_main_process``, ``split_between_processes``,
+    ``distributed_type``, ``state``, ``set_trigger``, ``free_memory``...) are inherited from
+    :class:`kwplug.accelerator._process_api._DataAndProcessAPI`.
 
     Attributes:
         device: the ``torch.device`` this process trains on (``device_type``: its type).
@@ -66,6 +75,7 @@ class Accelerator:
         mixed_precision: Literal["no", "fp16", "bf16"] | str = "no",
         cpu: bool = False,
         kwargs_handlers: Sequence[KwargsHandler] | None = None,
+        dataloader_config: DataLoaderConfiguration | None = None,
     ) -> None:
         # Resolved once; the public attributes below are read-only by convention.
         self._setup: _Setup = resolve(mixed_precision, cpu, kwargs_handlers)
@@ -82,7 +92,14 @@ class Accelerator:
         self.local_process_index: int = setup.process.local_rank
         self.comm_hooks: dict[str, CommHook] = setup.comm_hooks
         self.scaler: torch.amp.GradScaler | None = setup.scaler
-        self._prepared = _Prepared(setup, self.plan)
+        # -- data loaders (issue 11) --
+        if not isinstance(dataloader_config, (DataLoaderConfiguration, type(None))):
+            raise TypeError(
+                "dataloader_config must be a DataLoaderConfiguration or None, got "
+                f"{type(dataloader_config).__name__}"
+            )
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        self._prepared = _Prepared(setup, self.plan, dataloader_config=self.dataloader_config)
 
     @classmethod
     def from_config(
@@ -156,8 +173,11 @@ class Accelerator:
         """
         return self._prepared.optimizer(optimizer)
 
-    def prepare_data_loader(self, loader: DataLoader[Any], seed: int = 0) -> DataLoader[Any]:
-        """Shard ``loader`` per rank (see :func:`kwplug.data.prepare_dataloader`)."""
+    def prepare_data_loader(
+        self, loader: DataLoader[Any], seed: int | None = None
+    ) -> DataLoader[Any]:
+        """Shard ``loader`` per rank as Accelerate does (:func:`kwplug.data.prepare_dataloader`);
+        ``seed`` fixes the shuffle instead of a draw from torch's global generator."""
         return self._prepared.data_loader(loader, seed)
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -217,21 +237,27 @@ class Accelerator:
 
     # -- distributed helpers (kwplug.accelerator._ops) ----------------------------------------
 
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate ``tensor`` from every rank along dim 0 (0-d tensors become shape
-        ``(num_processes,)``). Every rank must pass the same shape. Single process: returns
-        ``tensor`` (0-d made 1-d)."""
-        return _ops.gather(tensor, self.num_processes)
-
-    def reduce(
-        self, tensor: torch.Tensor, reduction: Literal["sum", "mean"] = "sum"
-    ) -> torch.Tensor:
-        """All-reduce a copy of ``tensor`` across ranks with ``"sum"`` or ``"mean"``.
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate each tensor of nested ``tensor`` (tuples/lists/dicts) from every rank
+        along dim 0 (0-d tensors become shape ``(num_processes,)``). Single process: returns
+        ``tensor``.
 
         Raises:
-            ValueError: ``reduction`` is not ``"sum"`` or ``"mean"``.
+            TypeError: a leaf is not a tensor.
+            kwplug.utils.DistributedOperationException: the ranks' shapes differ (a
+                ``ValueError`` naming each rank's shapes; see :meth:`pad_across_processes`).
         """
-        return _ops.reduce(tensor, self.num_processes, reduction)
+        return _metrics.gather(tensor)
+
+    def reduce(self, tensor: Any, reduction: Literal["sum", "mean", "max"] = "sum") -> Any:
+        """All-reduce copies of each tensor of nested ``tensor`` with ``"sum"``, ``"mean"``
+        or ``"max"``.
+
+        Raises:
+            ValueError: an unknown ``reduction``; the ranks' shapes differ.
+            TypeError: a leaf is not a tensor.
+        """
+        return _metrics.reduce(tensor, reduction)
 
     def wait_for_everyone(self) -> None:
         """``torch.distributed.barrier()`` when distributed; nothing otherwise."""

@@ -11,9 +11,10 @@ from torch.utils.data import DataLoader
 
 from kwplug._plugins import Answer
 from kwplug.accelerator._setup import _Setup
-from kwplug.data import prepare_dataloader
+from kwplug.data import ActiveLoaders, PreparedDataLoader, prepare_dataloader
 from kwplug.optimizer import ScaledOptimizer
 from kwplug.params import ParameterRemap
+from kwplug.utils.dataclasses import DataLoaderConfiguration
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -40,6 +41,8 @@ class _Prepared:
         dataloaders: prepared data loaders.
         custom_objects: objects registered for checkpointing.
         remap: parameters that wrappers replaced (FSDP2), so that optimizers follow them.
+        dataloader_config: how data loaders are sharded.
+        active_loaders: the prepared loaders being iterated (end of data loader, remainder).
     """
 
     setup: _Setup
@@ -50,6 +53,8 @@ class _Prepared:
     dataloaders: list[DataLoader[Any]] = attrs.Factory(list)
     custom_objects: list[Any] = attrs.Factory(list)
     remap: ParameterRemap = attrs.Factory(ParameterRemap)
+    dataloader_config: DataLoaderConfiguration = attrs.Factory(DataLoaderConfiguration)
+    active_loaders: ActiveLoaders = attrs.Factory(ActiveLoaders)
 
     def prepare(self, objs: tuple[Any, ...]) -> Any:
         """Each of ``objs`` prepared by type; one object, or a tuple in the same order."""
@@ -110,13 +115,20 @@ class _Prepared:
         self.optimizers.append(scaled)
         return scaled
 
-    def data_loader(self, loader: DataLoader[Any], seed: int = 0) -> DataLoader[Any]:
+    def data_loader(self, loader: DataLoader[Any], seed: int | None = None) -> PreparedDataLoader:
         """Shard ``loader`` for this rank (:func:`kwplug.data.prepare_dataloader`)."""
         process = self.setup.process
         prepared = prepare_dataloader(
-            loader, self.setup.device, process.world_size, process.rank, seed=seed
+            loader,
+            self.setup.device,
+            process.world_size,
+            process.rank,
+            seed=seed,
+            config=self.dataloader_config,
+            tracker=self.active_loaders,
         )
-        self.dataloaders.append(prepared)
+        if prepared not in self.dataloaders:
+            self.dataloaders.append(prepared)
         return prepared
 
     def clear(self) -> None:
