@@ -206,6 +206,7 @@ class PreparedDataLoader(DataLoader[Any]):
         self.set_epoch(int(state["epoch"]))
         self._skip = self.batches_yielded = int(state["batches_yielded"])
         self._restore = {k: state.get(k) for k in ("generator", "global_rng")}
+        self._restore["batches"] = self.batches_yielded
 
     def _snapshot(self, global_rng: bool) -> dict[str, Any]:
         sync = self.sharding.sync_generator
@@ -239,16 +240,19 @@ class PreparedDataLoader(DataLoader[Any]):
         elif restore.get("generator") is not None and self.sharding.sync_generator is not None:
             self.sharding.sync_generator.set_state(restore["generator"])
         self._epoch_start = self._snapshot(self.sharding.global_rng)
-        replay = restore.get("global_rng") if restore else None
-        if replay is None:
+        if not restore or not restore.get("batches"):
             return super().__iter__()
-        # Replay the epoch's draws from the global generator, then give it back its state.
+        # Resuming mid-epoch: the interrupted run drew from the global generator when this
+        # epoch started (worker seed, sampler), before the checkpoint; replay those draws
+        # from the epoch's saved start, or skip them, and leave the global state untouched.
         current = torch.get_rng_state()
-        torch.set_rng_state(replay)
-        self._epoch_start["global_rng"] = replay
+        replay = restore.get("global_rng")
+        if replay is not None:
+            torch.set_rng_state(replay)
+            self._epoch_start["global_rng"] = replay
         try:
             iterator = super().__iter__()
-            first = next(iterator, _END)
+            first = next(iterator, _END) if replay is not None else _END
         finally:
             torch.set_rng_state(current)
         return iterator if first is _END else _chain(first, iterator)
