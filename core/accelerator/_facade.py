@@ -249,9 +249,11 @@ class Accelerator(_DataAndProcessAPI):
         """
         return _metrics.gather(tensor)
 
-    def reduce(self, tensor: Any, reduction: Literal["sum", "mean", "max"] = "sum") -> Any:
+    def reduce(
+        self, tensor: Any, reduction: Literal["sum", "mean", "max"] = "sum", scale: float = 1.0
+    ) -> Any:
         """All-reduce copies of each tensor of nested ``tensor`` with ``"sum"``, ``"mean"``
-        or ``"max"``.
+        or ``"max"`` (``scale`` is accepted and ignored, as Accelerate ignores it off XLA).
 
         Raises:
             ValueError: an unknown ``reduction``; the ranks' shapes differ.

@@ -110,9 +110,9 @@ def split_between_processes(
     """This process's contiguous part of ``inputs`` (list, tuple, tensor, or a mapping of
     them, all of one length); the first ``len % num_processes`` processes get one more.
 
-    With ``apply_padding`` every part is made as long as the longest by repeating its last
-    element, so that the parts can be gathered. A process with nothing left gets the last
-    element. Other objects are returned whole.
+    With ``apply_padding`` every part is made as long as the longest by repeating the last
+    element of ``inputs``, so that the parts can be gathered (a process with nothing left
+    gets only that). Other objects are returned whole.
 
     Raises:
         ValueError: a mapping's values have different lengths.
@@ -139,12 +139,12 @@ def split_between_processes(
     def part(values: Any) -> Any:
         if not isinstance(values, (list, tuple, torch.Tensor)):
             return values
-        piece = values[-1:] if start >= len(values) else values[start:end]
+        piece = values[start:end]
         if apply_padding and len(piece) < longest:
             missing = longest - len(piece)
             if isinstance(piece, torch.Tensor):
-                return torch.cat([piece, piece[-1:].expand(missing, *piece.shape[1:])])
-            return piece + type(piece)([piece[-1]] * missing)
+                return torch.cat([piece, values[-1:].expand(missing, *values.shape[1:])])
+            return piece + type(piece)([values[-1]] * missing)
         return piece
 
     if isinstance(inputs, Mapping):
