@@ -72,7 +72,9 @@ def test_batch_sampler_shard_varying_sizes_matches_accelerate(even: bool) -> Non
     for n, length in itertools.product([1, 2, 3], [0, 1, 4, 7, 12]):
         for rank in range(n):
             ours = BatchSamplerShard(VaryingBatches(length), n, rank, even_batches=even)
-            theirs = accelerate_data.BatchSamplerShard(VaryingBatches(length), n, rank, even_batches=even)
+            theirs = accelerate_data.BatchSamplerShard(
+                VaryingBatches(length), n, rank, even_batches=even
+            )
             assert list(ours) == list(theirs), (n, length, rank)
 
 
@@ -154,7 +156,9 @@ def both_loaders() -> list[dict[str, Any]]:
         loader = theirs.prepare(_loader(case))
         acc = {"epochs": _epochs(loader), "after": torch.rand(1).item(), "len": len(loader)}
         set_seed(1234)
-        ours = kwplug.Accelerator(cpu=True, dataloader_config=_config(case, DataLoaderConfiguration))
+        ours = kwplug.Accelerator(
+            cpu=True, dataloader_config=_config(case, DataLoaderConfiguration)
+        )
         loader = ours.prepare(_loader(case))
         kw = {"epochs": _epochs(loader), "after": torch.rand(1).item(), "len": len(loader)}
         results.append({"case": case, "accelerate": acc, "kwplug": kw})
@@ -198,7 +202,12 @@ def test_loader_attributes_and_end_of_dataloader() -> None:
     accelerator = kwplug.Accelerator(cpu=True)
     loader = accelerator.prepare(DataLoader(list(range(10)), batch_size=4))
     assert isinstance(loader, PreparedDataLoader)
-    assert (len(loader), loader.batch_size, loader.total_batch_size, loader.remainder) == (3, 4, 4, 2)
+    assert (len(loader), loader.batch_size, loader.total_batch_size, loader.remainder) == (
+        3,
+        4,
+        4,
+        2,
+    )
     assert loader.dataset == list(range(10))
     ends, tracked, finished = [], [], []
     loader.on_end.append(lambda dl: finished.append(dl.epoch))

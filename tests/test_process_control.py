@@ -59,6 +59,15 @@ def _splits(accelerator: Any) -> dict[str, Any]:
     return out
 
 
+def _decorated(accelerator: Any) -> list[str]:
+    ran: list[str] = []
+    accelerator.on_main_process(lambda: ran.append("main"))()
+    accelerator.on_local_main_process(lambda: ran.append("local"))()
+    accelerator.on_last_process(lambda: ran.append("last"))()
+    accelerator.on_process(process_index=1)(lambda: ran.append("one"))()
+    return ran
+
+
 def both_libraries() -> dict[str, Any]:
     """In each rank: the same calls through kwplug's and Accelerate's Accelerator."""
     from accelerate import Accelerator as AccelerateAccelerator
@@ -68,7 +77,9 @@ def both_libraries() -> dict[str, Any]:
     result: dict[str, Any] = {"rank": ours.process_index}
     for name, accelerator in (("kwplug", ours), ("accelerate", theirs)):
         set_seed(0)
-        row = {f"metrics-{n}-{b}": _metrics(accelerator, n, b) for n, b in ((23, 4), (9, 5), (8, 4))}
+        row = {
+            f"metrics-{n}-{b}": _metrics(accelerator, n, b) for n, b in ((23, 4), (9, 5), (8, 4))
+        }
         row["splits"] = _splits(accelerator)
         if accelerator.process_index == accelerator.num_processes - 1:
             accelerator.set_trigger()
@@ -78,12 +89,7 @@ def both_libraries() -> dict[str, Any]:
             accelerator.use_distributed,
             str(accelerator.distributed_type.value),
         ]
-        ran: list[str] = []
-        accelerator.on_main_process(lambda: ran.append("main"))()
-        accelerator.on_local_main_process(lambda: ran.append("local"))()
-        accelerator.on_last_process(lambda: ran.append("last"))()
-        accelerator.on_process(process_index=1)(lambda: ran.append("one"))()
-        row["ran"] = ran
+        row["ran"] = _decorated(accelerator)
         with accelerator.main_process_first():
             row["first"] = True
         with accelerator.local_main_process_first():

@@ -217,9 +217,10 @@ class PreparedDataLoader(DataLoader[Any]):
 
     def _set_epoch_everywhere(self, epoch: int) -> None:
         # As Accelerate: samplers (DistributedSampler, SeedableRandomSampler) and the data set.
-        holders = [self.batch_sampler, getattr(self.batch_sampler, "batches", None)]
+        holders: list[Any] = [self.batch_sampler, getattr(self.batch_sampler, "batches", None)]
         samplers = [getattr(h, "sampler", None) for h in holders if h is not None]
-        for target in [*holders, *samplers, self.dataset]:
+        targets: list[Any] = [*holders, *samplers, self.dataset]
+        for target in targets:
             if target is not None and callable(getattr(target, "set_epoch", None)):
                 target.set_epoch(epoch)
 

@@ -124,10 +124,12 @@ def prepare_dataloader(
             **common,
         )
 
-    batches: Any = loader.sampler if isinstance(loader.sampler, BatchSampler) else loader.batch_sampler
+    batches: Any = (
+        loader.sampler if isinstance(loader.sampler, BatchSampler) else loader.batch_sampler
+    )
     if batches is None:
         raise ValueError("a map-style DataLoader with batch_size=None cannot be prepared")
-    batch_size: int | None = getattr(batches, "batch_size", None)
+    batch_size = getattr(batches, "batch_size", None)
     sampler = sampler_of(loader)
     if config.use_seedable_sampler and type(sampler) is RandomSampler:
         sampler = SeedableRandomSampler(
@@ -148,9 +150,8 @@ def prepare_dataloader(
             )
         total, split = None, False  # sharded by the user: sizes not ours to complete
     else:
-        if n > 1 and not isinstance(sampler, SeedableRandomSampler):
-            sync = _shared_generator(sampler, seed)
-        elif seed is not None and isinstance(sampler, RandomSampler):
+        seedable = isinstance(sampler, SeedableRandomSampler)
+        if not seedable and (n > 1 or (seed is not None and isinstance(sampler, RandomSampler))):
             sync = _shared_generator(sampler, seed)
         if n > 1:
             batches = BatchSamplerShard(batches, n, rank, split, config.even_batches)
@@ -158,7 +159,9 @@ def prepare_dataloader(
     global_rng = sync is None and not isinstance(
         sampler, (SequentialSampler, SeedableRandomSampler, DistributedSampler)
     )
-    sharding = Sharding(n, rank, split, total, length, drop_last, config.non_blocking, sync, global_rng)
+    sharding = Sharding(
+        n, rank, split, total, length, drop_last, config.non_blocking, sync, global_rng
+    )
     per_process = batch_size // n if (split and batch_size is not None and n > 1) else batch_size
     return PreparedDataLoader(
         dataset,

@@ -47,7 +47,7 @@ class SeedableRandomSampler(RandomSampler):
         generator: torch.Generator | None = None,
         data_seed: int | None = None,
     ) -> None:
-        super().__init__(data_source, replacement, num_samples, generator)  # type: ignore[arg-type]
+        super().__init__(data_source, replacement, num_samples, generator)
         self.initial_seed = data_seed if data_seed is not None else torch.initial_seed()
         self.epoch = 0
 
@@ -153,7 +153,7 @@ class BatchSamplerShard(BatchSampler):
         n, rank, size = self.num_processes, self.process_index, self.batch_size
         head: list[Any] = []  # the first n batches, to complete the last round from
         mine: list[int] | None = None
-        index, batch = -1, []
+        index, batch = -1, list[int]()
         for index, batch in enumerate(self.batch_sampler):
             if not self.drop_last and index < n:
                 head.extend([batch] if size is None else batch)

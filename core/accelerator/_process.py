@@ -62,7 +62,8 @@ def distributed_type(
 ) -> DistributedType:
     """``FSDP`` when a handler declares it (a ``distributed_type`` class attribute) or a
     prepared model is sharded (FSDP1 wrapper, FSDP2 module, ``DTensor`` parameters); else
-    plain data parallelism's type for the device (:func:`~kwplug.utils.dataclasses.default_distributed_type`)."""
+    plain data parallelism's type for the device
+    (:func:`~kwplug.utils.dataclasses.default_distributed_type`)."""
     for handler in handlers:
         declared = getattr(handler, "distributed_type", None)
         if declared is not None:
@@ -76,7 +77,10 @@ def _is_sharded(model: torch.nn.Module) -> bool:
     fsdp = getattr(torch.distributed, "fsdp", None)
     kinds = tuple(
         kind
-        for kind in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None))
+        for kind in (
+            getattr(fsdp, "FSDPModule", None),
+            getattr(fsdp, "FullyShardedDataParallel", None),
+        )
         if isinstance(kind, type)
     )
     if kinds and any(isinstance(m, kinds) for m in model.modules()):
@@ -139,13 +143,13 @@ def split_between_processes(
     def part(values: Any) -> Any:
         if not isinstance(values, (list, tuple, torch.Tensor)):
             return values
-        piece = values[start:end]
-        if apply_padding and len(piece) < longest:
-            missing = longest - len(piece)
-            if isinstance(piece, torch.Tensor):
-                return torch.cat([piece, values[-1:].expand(missing, *values.shape[1:])])
-            return piece + type(piece)([values[-1]] * missing)
-        return piece
+        piece: Any = values[start:end]
+        missing = longest - len(piece) if apply_padding else 0
+        if missing <= 0:
+            return piece
+        if isinstance(values, torch.Tensor):
+            return torch.cat([piece, values[-1:].expand(missing, *values.shape[1:])])
+        return piece + type(values)([values[-1]] * missing)
 
     if isinstance(inputs, Mapping):
         return type(inputs)({k: part(v) for k, v in inputs.items()})  # type: ignore[call-arg]

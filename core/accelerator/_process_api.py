@@ -189,7 +189,9 @@ class _DataAndProcessAPI:
     def check_trigger(self) -> bool:
         """True on every process when any process called :meth:`set_trigger` since the last
         check (an all-reduce; every process must call it). The flags are lowered again."""
-        flag = self._trigger if self._trigger is not None else _metrics.trigger_tensor(0, self.device)
+        flag = (
+            self._trigger if self._trigger is not None else _metrics.trigger_tensor(0, self.device)
+        )
         if _ops.reduce(flag, self.num_processes, "sum").item() >= 1:
             self._trigger = None
             return True
