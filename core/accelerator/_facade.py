@@ -45,10 +45,8 @@ class Accelerator(_DataAndProcessAPI):
         dataloader_config: how :meth:`prepare` shards data loaders
             (:class:`~kwplug.utils.DataLoaderConfiguration`; default: its defaults).
 
-    Data loaders, distributed metrics and process control (``gather_for_metrics``,
-    ``main_process_first``, ``on_main_process``, ``split_between_processes``,
-    ``distributed_type``, ``state``, ``set_trigger``, ``free_memory``...) are inherited from
-    :class:`kwplug.accelerator._process_api._DataAndProcessAPI`.
+    Data-loader, metrics and process-control methods (``gather_for_metrics``,
+    ``main_process_first``, ``on_main_process``, ``state``...) come from ``_DataAndProcessAPI``.
 
     Attributes:
         device: the ``torch.device`` this process trains on (``device_type``: its type).
@@ -92,14 +90,8 @@ class Accelerator(_DataAndProcessAPI):
         self.local_process_index: int = setup.process.local_rank
         self.comm_hooks: dict[str, CommHook] = setup.comm_hooks
         self.scaler: torch.amp.GradScaler | None = setup.scaler
-        # -- data loaders (issue 11) --
-        if not isinstance(dataloader_config, (DataLoaderConfiguration, type(None))):
-            raise TypeError(
-                "dataloader_config must be a DataLoaderConfiguration or None, got "
-                f"{type(dataloader_config).__name__}"
-            )
-        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
-        self._prepared = _Prepared(setup, self.plan, dataloader_config=self.dataloader_config)
+        self._prepared = _Prepared(setup, self.plan, dataloader_config=dataloader_config)
+        self.dataloader_config: DataLoaderConfiguration = self._prepared.dataloader_config
 
     @classmethod
     def from_config(
@@ -143,8 +135,9 @@ class Accelerator(_DataAndProcessAPI):
           ``wrap_model`` hook (DDP when ``num_processes > 1`` by default).
         - ``torch.optim.Optimizer``: returned as is, or wrapped in a
           :class:`~kwplug.optimizer.ScaledOptimizer` when a gradient scaler is active.
-        - ``torch.utils.data.DataLoader``: sharded per rank with ``DistributedSampler``
-          semantics, batches moved to :attr:`device`.
+        - ``torch.utils.data.DataLoader``: each rank gets Accelerate's batches
+          (:func:`kwplug.data.prepare_dataloader`, ``dataloader_config``), moved to
+          :attr:`device`.
         - anything else: returned unchanged.
 
         Create the optimizer from the model's parameters before or after ``prepare``: DDP
@@ -238,14 +231,12 @@ class Accelerator(_DataAndProcessAPI):
     # -- distributed helpers (kwplug.accelerator._ops) ----------------------------------------
 
     def gather(self, tensor: Any) -> Any:
-        """Concatenate each tensor of nested ``tensor`` (tuples/lists/dicts) from every rank
-        along dim 0 (0-d tensors become shape ``(num_processes,)``). Single process: returns
-        ``tensor``.
+        """Concatenate each tensor of nested ``tensor`` from every rank along dim 0
+        (:func:`kwplug.utils.gather`; one process: ``tensor`` itself).
 
         Raises:
             TypeError: a leaf is not a tensor.
-            kwplug.utils.DistributedOperationException: the ranks' shapes differ (a
-                ``ValueError`` naming each rank's shapes; see :meth:`pad_across_processes`).
+            kwplug.utils.DistributedOperationException: the ranks' shapes differ.
         """
         return _metrics.gather(tensor)
 

@@ -28,6 +28,10 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
+def _default_config(value: Any) -> Any:
+    return DataLoaderConfiguration() if value is None else value
+
+
 @attrs.define(eq=False)
 class _Prepared:
     """Prepares objects for one Accelerator and keeps every prepared object, in order.
@@ -41,7 +45,7 @@ class _Prepared:
         dataloaders: prepared data loaders.
         custom_objects: objects registered for checkpointing.
         remap: parameters that wrappers replaced (FSDP2), so that optimizers follow them.
-        dataloader_config: how data loaders are sharded.
+        dataloader_config: how data loaders are sharded (``None``: the defaults).
         active_loaders: the prepared loaders being iterated (end of data loader, remainder).
     """
 
@@ -53,7 +57,11 @@ class _Prepared:
     dataloaders: list[DataLoader[Any]] = attrs.Factory(list)
     custom_objects: list[Any] = attrs.Factory(list)
     remap: ParameterRemap = attrs.Factory(ParameterRemap)
-    dataloader_config: DataLoaderConfiguration = attrs.Factory(DataLoaderConfiguration)
+    dataloader_config: DataLoaderConfiguration = attrs.field(
+        default=None,
+        converter=_default_config,
+        validator=attrs.validators.instance_of(DataLoaderConfiguration),
+    )
     active_loaders: ActiveLoaders = attrs.Factory(ActiveLoaders)
 
     def prepare(self, objs: tuple[Any, ...]) -> Any:
