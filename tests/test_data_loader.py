@@ -221,16 +221,26 @@ def test_loader_attributes_and_end_of_dataloader() -> None:
 
 def test_skip_first_batches_does_not_skip_twice_after_a_restore() -> None:
     accelerator = kwplug.Accelerator(cpu=True)
-    loader = accelerator.prepare(DataLoader(list(range(20)), batch_size=2, shuffle=True))
-    iterator = iter(loader)
+
+    def loader() -> Any:
+        return accelerator.prepare(DataLoader(list(range(20)), batch_size=2, shuffle=True))
+
+    original = loader()
+    iterator = iter(original)
     seen = [next(iterator).tolist() for _ in range(3)]
-    state = loader.state_dict()
+    state = original.state_dict()
     rest = [b.tolist() for b in iterator]
-    other = accelerator.prepare(DataLoader(list(range(20)), batch_size=2, shuffle=True))
-    other.load_state_dict(state)
-    assert accelerator.skip_first_batches(other, 3) is other
-    assert [b.tolist() for b in other] == rest
     assert len(seen + rest) == 10
+    # load_state's position alone: the rest of the same epoch, in the same order.
+    restored = loader()
+    restored.load_state_dict(state)
+    assert [b.tolist() for b in restored] == rest
+    # Accelerate's idiom after it: skipped once (7 batches left), order drawn anew.
+    skipped = loader()
+    skipped.load_state_dict(state)
+    assert accelerator.skip_first_batches(skipped, 3) is skipped
+    assert len([b.tolist() for b in skipped]) == 7
+    assert skipped.epoch == state["epoch"] + 1
     with pytest.raises(TypeError, match="accelerator.prepare"):
         accelerator.skip_first_batches(DataLoader([1]), 1)
 

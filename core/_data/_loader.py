@@ -175,14 +175,16 @@ class PreparedDataLoader(DataLoader[Any]):
         self.epoch, self.batches_yielded, self._skip, self._restore = epoch, 0, 0, None
 
     def skip_first_batches(self, num_batches: int) -> None:
-        """Start the next iteration at batch ``num_batches`` of the current epoch.
+        """Start the next iteration at batch ``num_batches``, as Accelerate's resume idiom.
 
-        The count is from the start of the epoch and replaces a position restored by
-        :meth:`load_state_dict` (it is not added to it).
+        The next iteration draws its order as any new iteration does (as Accelerate's does)
+        and skips ``num_batches`` batches. It replaces a position restored by
+        :meth:`load_state_dict` (the count is not added to it, and that epoch's saved order is
+        not replayed).
         """
         if num_batches < 0:
             raise ValueError(f"num_batches must be >= 0, got {num_batches}")
-        self._skip = num_batches
+        self._skip, self._restore = num_batches, None
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch comes from: ``epoch``, ``batches_yielded``, and what fixes

@@ -36,13 +36,14 @@ class _DataAndProcessAPI:
     # -- data loaders --------------------------------------------------------------------
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        """Make the next iteration of a prepared ``dataloader`` start at batch ``num_batches``
-        of its current epoch, and return it (the same object; Accelerate returns a copy).
+        """Make the next iteration of a prepared ``dataloader`` skip its first
+        ``num_batches`` batches, and return it (the same object; Accelerate returns a copy).
 
-        The count is from the start of the epoch and *replaces* a position that
-        :meth:`load_state` restored, so calling both never skips twice. After ``load_state``
-        either iterate the loader directly (it resumes where the checkpoint was taken) or
-        call this with the number of batches already seen in that epoch.
+        That iteration draws its order as Accelerate's does, and the count *replaces* a
+        position that :meth:`load_state` restored, so calling both never skips twice. After
+        ``load_state`` use one of the two: iterate the loader as it is (exact resume: the rest
+        of the interrupted epoch in its order), or, as Accelerate's examples do, call this
+        with the batches already seen (the batches Accelerate would give).
 
         Raises:
             TypeError: ``dataloader`` was not prepared by kwplug.
