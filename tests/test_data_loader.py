@@ -259,3 +259,12 @@ def test_distributed_sampler_for_another_world_size_is_refused() -> None:
 def test_dataloader_config_type_is_checked() -> None:
     with pytest.raises(TypeError, match="DataLoaderConfiguration"):
         kwplug.Accelerator(cpu=True, dataloader_config={"split_batches": True})  # type: ignore[arg-type]
+
+
+def test_unbatched_iterable_dataset_is_refused_in_several_processes() -> None:
+    from kwplug.data import prepare_dataloader
+
+    loader = DataLoader(Stream(4), batch_size=None)
+    with pytest.raises(ValueError, match="whole data set"):
+        prepare_dataloader(loader, torch.device("cpu"), world_size=2, rank=0)
+    assert [int(x) for x in prepare_dataloader(loader, torch.device("cpu"), 1, 0)] == [0, 1, 2, 3]

@@ -93,7 +93,8 @@ def prepare_dataloader(
 
     Raises:
         ValueError: ``split_batches`` with a batch size that is unknown or not a multiple of
-            ``world_size``; a ``DistributedSampler`` built for another number of processes.
+            ``world_size``; a ``DistributedSampler`` built for another number of processes;
+            an iterable data set without a batch size in several processes.
     """
     if isinstance(loader, PreparedDataLoader):
         return loader
@@ -108,6 +109,11 @@ def prepare_dataloader(
 
     if isinstance(dataset, IterableDataset):
         batch_size = loader.batch_size
+        if n > 1 and batch_size is None:
+            raise ValueError(
+                "an IterableDataset loader with batch_size=None cannot be sharded across "
+                f"{n} processes (every rank would read the whole data set); give it a batch_size"
+            )
         if n > 1 and batch_size is not None:
             dataset = IterableDatasetShard(
                 dataset, batch_size, loader.drop_last, n, rank, split_batches=split
