@@ -8,13 +8,13 @@ the facade stays short; they are public methods of ``Accelerator``.
 from __future__ import annotations
 
 import contextlib
-import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import torch
 
+from kwplug.data import ActiveLoaders
 from kwplug.utils.dataclasses import GradientAccumulationPlugin, ProjectConfiguration
 
 if TYPE_CHECKING:
@@ -48,12 +48,14 @@ class GradientState:
         sync_gradients: whether the current step ends with an optimizer step (``True``
             outside ``accumulate()``).
         step: micro-batches since the last synchronising step.
+        loaders: the prepared data loaders being iterated (they register themselves), whose
+            last batch forces a synchronising step.
     """
 
     plugin_kwargs: dict[str, Any] = attrs.Factory(dict)
     sync_gradients: bool = True
     step: int = 0
-    _loaders: list[weakref.ref[Any]] = attrs.Factory(list)
+    loaders: ActiveLoaders = attrs.Factory(ActiveLoaders)
 
     @classmethod
     def from_plugin(cls, plugin: GradientAccumulationPlugin) -> GradientState:
@@ -88,50 +90,18 @@ class GradientState:
     @property
     def active_loader(self) -> Any:
         """The innermost prepared data loader being iterated, or ``None``."""
-        while self._loaders:
-            loader = self._loaders[-1]()
-            if loader is not None:
-                return loader
-            self._loaders.pop()  # collected without finishing its iteration
-        return None
+        return self.loaders.active
 
     @property
     def in_dataloader(self) -> bool:
         """Whether a prepared data loader is being iterated."""
-        return self.active_loader is not None
+        return self.loaders.active is not None
 
     @property
     def end_of_dataloader(self) -> bool:
-        """Whether the active loader has handed out its last batch of the epoch."""
-        return bool(getattr(self.active_loader, "end_of_dataloader", False))
-
-    def begin_loader(self, loader: Any) -> None:
-        """``loader`` starts an iteration: it becomes the active loader, not at its end."""
-        loader.end_of_dataloader = False
-        self._loaders.append(weakref.ref(loader))
-
-    def end_loader(self, loader: Any) -> None:
-        """``loader``'s iteration is over (finished or abandoned)."""
-        self._loaders = [ref for ref in self._loaders if ref() not in (loader, None)]
-
-    def track(self, loader: Any, batches: Iterable[_T]) -> Iterator[_T]:
-        """Yield ``batches`` while ``loader`` is the active loader, with
-        ``loader.end_of_dataloader`` set to ``True`` just before the last one (one batch is
-        read ahead to know it is the last, as Accelerate's loaders do)."""
-        self.begin_loader(loader)
-        try:
-            iterator = iter(batches)
-            try:
-                current = next(iterator)
-            except StopIteration:
-                return
-            for following in iterator:
-                yield current
-                current = following
-            loader.end_of_dataloader = True
-            yield current
-        finally:
-            self.end_loader(loader)
+        """Whether the active loader is handing out its last batch of the epoch (prepared
+        loaders read one batch ahead to know, as Accelerate's do)."""
+        return self.loaders.end_of_dataloader
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the accumulation, for a checkpoint taken mid-accumulation

@@ -7,19 +7,18 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader
 
-from kwplug import checkpoint
 from kwplug._plugins import Answer, KwplugPluginManager
-from kwplug.accelerator import _ops
+from kwplug.accelerator import _metrics, _ops
 from kwplug.accelerator._accumulation import GradientState, _GradientAccumulation
-from kwplug.accelerator._io import _TrackersAndSaving
+from kwplug.accelerator._io import _Checkpoints, _TrackersAndSaving
 from kwplug.accelerator._options import resolve_options
 from kwplug.accelerator._prepare import _Prepared
+from kwplug.accelerator._process_api import _DataAndProcessAPI
 from kwplug.accelerator._setup import _Setup, resolve
 from kwplug.accelerator._tracking import LogWith, _Trackers
 from kwplug.comm_hooks import CommHook
@@ -33,7 +32,7 @@ from kwplug.utils.dataclasses import (
 )
 
 
-class Accelerator(_GradientAccumulation, _TrackersAndSaving):
+class Accelerator(_GradientAccumulation, _TrackersAndSaving, _Checkpoints, _DataAndProcessAPI):
     """Runs a training loop on the device and processes chosen by torchrun, through plugins.
 
     Every torch object it builds -- the process group, the autocast context, the gradient
@@ -53,7 +52,8 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving):
         gradient_accumulation_steps: ``int`` >= 1, default 1; micro-batches per optimizer
             step in :meth:`accumulate`.
         gradient_accumulation_plugin: a ``kwplug.utils.GradientAccumulationPlugin`` instead.
-        dataloader_config: a ``kwplug.utils.DataLoaderConfiguration`` (default: defaults).
+        dataloader_config: how :meth:`prepare` shards data loaders
+            (:class:`~kwplug.utils.DataLoaderConfiguration`; default: its defaults).
         step_scheduler_with_optimizer: default ``True``; prepared schedulers step only when
             the optimizers do (see :class:`kwplug.scheduler.AcceleratedScheduler`).
         split_batches: legacy; a ``dataloader_config`` field.
@@ -64,6 +64,13 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving):
         project_dir: folder for checkpoints and (unless ``project_config`` sets
             ``logging_dir``) trackers' logs; overrides ``project_config.project_dir``.
         project_config: a :class:`kwplug.utils.ProjectConfiguration` (default: a new one).
+
+    Gradient accumulation (``accumulate``, ``no_sync``, ``backward``, clipping), trackers and
+    saving (``init_trackers``, ``log``, ``save_model``), data-loader, metrics and
+    process-control methods (``gather_for_metrics``, ``main_process_first``,
+    ``on_main_process``, ``state``...) come from the base classes ``_GradientAccumulation``,
+    ``_TrackersAndSaving``, ``_Checkpoints`` (``save_state``, ``load_state``) and
+    ``_DataAndProcessAPI``.
 
     Attributes:
         device: the ``torch.device`` this process trains on (``device_type``: its type).
@@ -136,7 +143,11 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving):
         self.step_scheduler_with_optimizer: bool = options.step_scheduler_with_optimizer
         self.gradient_state = GradientState.from_plugin(options.gradient_accumulation)
         self._prepared = _Prepared(
-            setup, self.plan, gradient_state=self.gradient_state, options=options
+            setup,
+            self.plan,
+            gradient_state=self.gradient_state,
+            options=options,
+            dataloader_config=options.dataloader_config,
         )
         self._trackers = _Trackers.resolve(
             setup.plugins, self.log_with, self.logging_dir, self.is_main_process
@@ -187,8 +198,9 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving):
         - ``torch.optim.lr_scheduler.LRScheduler``: wrapped in a
           :class:`~kwplug.scheduler.AcceleratedScheduler` (after the other objects, so it finds
           its optimizer) and saved by :meth:`save_state`.
-        - ``torch.utils.data.DataLoader``: sharded per rank with ``DistributedSampler``
-          semantics, batches moved to :attr:`device`.
+        - ``torch.utils.data.DataLoader``: each rank gets Accelerate's batches
+          (:func:`kwplug.data.prepare_dataloader`, ``dataloader_config``), moved to
+          :attr:`device`.
         - anything else: returned unchanged.
 
         Create the optimizer from the model's parameters before or after ``prepare``: DDP
@@ -217,8 +229,11 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving):
         """
         return self._prepared.optimizer(optimizer)
 
-    def prepare_data_loader(self, loader: DataLoader[Any], seed: int = 0) -> DataLoader[Any]:
-        """Shard ``loader`` per rank (see :func:`kwplug.data.prepare_dataloader`)."""
+    def prepare_data_loader(
+        self, loader: DataLoader[Any], seed: int | None = None
+    ) -> DataLoader[Any]:
+        """Shard ``loader`` per rank as Accelerate does (:func:`kwplug.data.prepare_dataloader`);
+        ``seed`` fixes the shuffle instead of a draw from torch's global generator."""
         return self._prepared.data_loader(loader, seed)
 
     # -- per step ----------------------------------------------------------------------------
@@ -250,21 +265,27 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving):
 
     # -- distributed helpers (kwplug.accelerator._ops) ----------------------------------------
 
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate ``tensor`` from every rank along dim 0 (0-d tensors become shape
-        ``(num_processes,)``). Every rank must pass the same shape. Single process: returns
-        ``tensor`` (0-d made 1-d)."""
-        return _ops.gather(tensor, self.num_processes)
-
-    def reduce(
-        self, tensor: torch.Tensor, reduction: Literal["sum", "mean"] = "sum"
-    ) -> torch.Tensor:
-        """All-reduce a copy of ``tensor`` across ranks with ``"sum"`` or ``"mean"``.
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate each tensor of nested ``tensor`` from every rank along dim 0
+        (:func:`kwplug.utils.gather`; one process: ``tensor`` itself).
 
         Raises:
-            ValueError: ``reduction`` is not ``"sum"`` or ``"mean"``.
+            TypeError: a leaf is not a tensor.
+            kwplug.utils.DistributedOperationException: the ranks' shapes differ.
         """
-        return _ops.reduce(tensor, self.num_processes, reduction)
+        return _metrics.gather(tensor)
+
+    def reduce(
+        self, tensor: Any, reduction: Literal["sum", "mean", "max"] = "sum", scale: float = 1.0
+    ) -> Any:
+        """All-reduce copies of each tensor of nested ``tensor`` with ``"sum"``, ``"mean"``
+        or ``"max"`` (``scale`` is accepted and ignored, as Accelerate ignores it off XLA).
+
+        Raises:
+            ValueError: an unknown ``reduction``; the ranks' shapes differ.
+            TypeError: a leaf is not a tensor.
+        """
+        return _metrics.reduce(tensor, reduction)
 
     def wait_for_everyone(self) -> None:
         """``torch.distributed.barrier()`` when distributed; nothing otherwise."""
@@ -295,74 +316,6 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving):
             raise RuntimeError("no plugin answered make_profiler (is ProfileKwargs blocked?)")
         with profiler as prof:
             yield prof
-
-    # -- checkpoints (kwplug.checkpoint) -----------------------------------------------------
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include ``objects`` (each with ``state_dict()`` and ``load_state_dict()``, e.g. an
-        LR scheduler or a step counter) in :meth:`save_state` / :meth:`load_state`.
-
-        Raises:
-            TypeError: an object lacks ``state_dict`` or ``load_state_dict``.
-        """
-        checkpoint.register_for_checkpointing(self, *objects)
-
-    def save_state(self, output_dir: str | os.PathLike[str]) -> Path:
-        """Save everything needed to resume training exactly, atomically.
-
-        Saves the prepared models (unwrapped ``state_dict``), optimizers, the gradient scaler,
-        objects given to :meth:`register_for_checkpointing`, and per rank the RNG states
-        (Python, NumPy, torch CPU and device), the prepared data loaders' positions (epoch and
-        batches consumed) and the state of stateful DDP communication hooks (PowerSGD's error
-        feedback and step counter). Every rank must call it; see :mod:`kwplug.checkpoint` for
-        the layout and the crash-safety guarantees.
-
-        A sharded model (``DTensor`` parameters, e.g. from FSDP2's ``fully_shard``) is saved
-        as its full state dict, gathered to rank 0 through
-        ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (same keys and
-        shapes as the unsharded model's ``state_dict()``); its optimizer as the full
-        optimizer state dict (``get_optimizer_state_dict``, keyed by parameter name).
-
-        Args:
-            output_dir: the checkpoint directory: a new version folder is written into it and
-                older versions are deleted once it is complete; nothing else there is touched.
-
-        Returns:
-            The checkpoint directory.
-
-        Raises:
-            kwplug.checkpoint.CheckpointError: another process is saving into
-                ``output_dir`` (naming its host and pid); a write failed (disk full: the
-                unfinished version is removed, the previous one kept); state that a
-                checkpoint cannot hold (only tensors, NumPy arrays and JSON values).
-            NotImplementedError: an optimizer steps a sharded model's parameters together
-                with parameters outside that model.
-        """
-        return checkpoint.save_state(self, output_dir)
-
-    def load_state(self, input_dir: str | os.PathLike[str]) -> Path:
-        """Restore what :meth:`save_state` saved into the prepared objects, in place.
-
-        Prepare the same models, optimizers and data loaders, in the same order, before
-        calling it. Every rank must call it. Sharded models and their optimizers are read on
-        rank 0 and broadcast (``set_model_state_dict`` / ``set_optimizer_state_dict`` with
-        ``broadcast_from_rank0=True``); each rank keeps its own shards.
-
-        Every file is verified (manifest, size, sha256, kind, shapes) before any object is
-        loaded; no file is unpickled.
-
-        Returns:
-            The version folder read (the newest complete one in ``input_dir``).
-
-        Raises:
-            FileNotFoundError: no complete checkpoint at ``input_dir``.
-            kwplug.checkpoint.CheckpointError: (a ``ValueError``) a file is missing,
-                truncated, altered, not regular or not listed; the checkpoint was saved with a
-                different number of processes or different prepared objects (class, shapes).
-            NotImplementedError: (also from :meth:`save_state`) an optimizer steps a sharded
-                model's parameters together with parameters outside that model.
-        """
-        return checkpoint.load_state(self, input_dir)
 
     def end_training(self) -> None:
         """Finish the trackers (main process), then destroy the default process group

@@ -1,19 +1,25 @@
-"""The Accelerator's trackers and model-saving methods (a base class of ``Accelerator``):
-trackers through :mod:`._tracking`, files through :mod:`._saving`."""
+"""The Accelerator's trackers, model-saving and checkpoint methods (base classes of
+``Accelerator``): trackers through :mod:`._tracking`, files through :mod:`._saving`,
+checkpoints through :mod:`kwplug.checkpoint`."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from kwplug import checkpoint
 from kwplug._plugins import KwplugPluginManager
 from kwplug.accelerator import _saving
 from kwplug.accelerator._tracking import _Trackers
 from kwplug.tracking import GeneralTracker
 from kwplug.utils.dataclasses import ProjectConfiguration
+
+if TYPE_CHECKING:
+    from kwplug.accelerator import Accelerator
 
 
 class _TrackersAndSaving:
@@ -85,3 +91,74 @@ class _TrackersAndSaving:
         config = self.project_configuration
         index = self.local_process_index if config.save_on_each_node else self.process_index
         return index == 0
+
+
+class _Checkpoints:
+    """``register_for_checkpointing``, ``save_state`` and ``load_state`` of the Accelerator
+    (:mod:`kwplug.checkpoint` does the work)."""
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include ``objects`` (each with ``state_dict()`` and ``load_state_dict()``, e.g. an
+        LR scheduler or a step counter) in :meth:`save_state` / :meth:`load_state`.
+
+        Raises:
+            TypeError: an object lacks ``state_dict`` or ``load_state_dict``.
+        """
+        checkpoint.register_for_checkpointing(cast("Accelerator", self), *objects)
+
+    def save_state(self, output_dir: str | os.PathLike[str]) -> Path:
+        """Save everything needed to resume training exactly, atomically.
+
+        Saves the prepared models (unwrapped ``state_dict``), optimizers, the gradient scaler,
+        objects given to :meth:`register_for_checkpointing`, and per rank the RNG states
+        (Python, NumPy, torch CPU and device), the prepared data loaders' positions (epoch and
+        batches consumed) and the state of stateful DDP communication hooks (PowerSGD's error
+        feedback and step counter). Every rank must call it; see :mod:`kwplug.checkpoint` for
+        the layout and the crash-safety guarantees.
+
+        A sharded model (``DTensor`` parameters, e.g. from FSDP2's ``fully_shard``) is saved
+        as its full state dict, gathered to rank 0 through
+        ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (same keys and
+        shapes as the unsharded model's ``state_dict()``); its optimizer as the full
+        optimizer state dict (``get_optimizer_state_dict``, keyed by parameter name).
+
+        Args:
+            output_dir: the checkpoint directory: a new version folder is written into it and
+                older versions are deleted once it is complete; nothing else there is touched.
+
+        Returns:
+            The checkpoint directory.
+
+        Raises:
+            kwplug.checkpoint.CheckpointError: another process is saving into
+                ``output_dir`` (naming its host and pid); a write failed (disk full: the
+                unfinished version is removed, the previous one kept); state that a
+                checkpoint cannot hold (only tensors, NumPy arrays and JSON values).
+            NotImplementedError: an optimizer steps a sharded model's parameters together
+                with parameters outside that model.
+        """
+        return checkpoint.save_state(cast("Accelerator", self), output_dir)
+
+    def load_state(self, input_dir: str | os.PathLike[str]) -> Path:
+        """Restore what :meth:`save_state` saved into the prepared objects, in place.
+
+        Prepare the same models, optimizers and data loaders, in the same order, before
+        calling it. Every rank must call it. Sharded models and their optimizers are read on
+        rank 0 and broadcast (``set_model_state_dict`` / ``set_optimizer_state_dict`` with
+        ``broadcast_from_rank0=True``); each rank keeps its own shards.
+
+        Every file is verified (manifest, size, sha256, kind, shapes) before any object is
+        loaded; no file is unpickled.
+
+        Returns:
+            The version folder read (the newest complete one in ``input_dir``).
+
+        Raises:
+            FileNotFoundError: no complete checkpoint at ``input_dir``.
+            kwplug.checkpoint.CheckpointError: (a ``ValueError``) a file is missing,
+                truncated, altered, not regular or not listed; the checkpoint was saved with a
+                different number of processes or different prepared objects (class, shapes).
+            NotImplementedError: (also from :meth:`save_state`) an optimizer steps a sharded
+                model's parameters together with parameters outside that model.
+        """
+        return checkpoint.load_state(cast("Accelerator", self), input_dir)

@@ -13,10 +13,11 @@ from kwplug._plugins import Answer
 from kwplug.accelerator._accumulation import GradientState
 from kwplug.accelerator._options import _Options
 from kwplug.accelerator._setup import _Setup
-from kwplug.data import prepare_dataloader
+from kwplug.data import ActiveLoaders, PreparedDataLoader, prepare_dataloader
 from kwplug.optimizer import AcceleratedOptimizer, ScalerUpdates
 from kwplug.params import ParameterRemap
 from kwplug.scheduler import AcceleratedScheduler
+from kwplug.utils.dataclasses import DataLoaderConfiguration
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -28,6 +29,10 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def _default_config(value: Any) -> Any:
+    return DataLoaderConfiguration() if value is None else value
 
 
 @attrs.define(eq=False)
@@ -48,6 +53,9 @@ class _Prepared:
             schedulers and data loaders.
         options: the Accelerator's keywords (how prepared schedulers step); ``None``:
             Accelerate's defaults.
+        dataloader_config: how data loaders are sharded (``None``: the defaults).
+        active_loaders: the prepared loaders being iterated (end of data loader, remainder);
+            the gradient state's.
     """
 
     setup: _Setup
@@ -63,9 +71,20 @@ class _Prepared:
     options: _Options | None = None
     scaler_updates: ScalerUpdates | None = attrs.field(init=False)
 
+    @property
+    def active_loaders(self) -> ActiveLoaders:
+        """The prepared loaders being iterated (shared with the gradient state)."""
+        return self.gradient_state.loaders
+
     def __attrs_post_init__(self) -> None:
         scaler = self.setup.scaler
         self.scaler_updates = None if scaler is None else ScalerUpdates(scaler)
+
+    dataloader_config: DataLoaderConfiguration = attrs.field(
+        default=None,
+        converter=_default_config,
+        validator=attrs.validators.instance_of(DataLoaderConfiguration),
+    )
 
     def prepare(self, objs: tuple[Any, ...]) -> Any:
         """Each of ``objs`` prepared by type; one object, or a tuple in the same order.
@@ -157,15 +176,20 @@ class _Prepared:
         self.custom_objects.append(wrapped)
         return wrapped
 
-    def data_loader(self, loader: DataLoader[Any], seed: int = 0) -> DataLoader[Any]:
+    def data_loader(self, loader: DataLoader[Any], seed: int | None = None) -> PreparedDataLoader:
         """Shard ``loader`` for this rank (:func:`kwplug.data.prepare_dataloader`)."""
         process = self.setup.process
         prepared = prepare_dataloader(
-            loader, self.setup.device, process.world_size, process.rank, seed=seed
+            loader,
+            self.setup.device,
+            process.world_size,
+            process.rank,
+            seed=seed,
+            config=self.dataloader_config,
+            tracker=self.active_loaders,
         )
-        # Its iterations mark the last batch, which ends an accumulation (kwplug.data).
-        prepared.gradient_state = self.gradient_state
-        self.dataloaders.append(prepared)
+        if prepared not in self.dataloaders:
+            self.dataloaders.append(prepared)
         return prepared
 
     def clear(self) -> None:

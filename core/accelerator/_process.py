@@ -1,0 +1,156 @@
+"""Process control: which process runs what, in which order, and what the run looks like
+(``state``, ``distributed_type``), plus the trigger and memory release helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import attrs
+import torch
+
+from kwplug.accelerator import _ops
+from kwplug.utils.dataclasses import DistributedType, default_distributed_type
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@attrs.frozen
+class ProcessState:
+    """What Accelerate's ``AcceleratorState`` tells about the run (``accelerator.state``).
+
+    Attributes:
+        num_processes: processes in the run; process_index: this one's global rank;
+            local_process_index: its rank on its node.
+        device: where this process trains.
+        distributed_type: the :class:`~kwplug.utils.DistributedType` at the time it was read.
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+    """
+
+    num_processes: int
+    process_index: int
+    local_process_index: int
+    device: torch.device
+    distributed_type: DistributedType
+    mixed_precision: str
+
+    @property
+    def is_main_process(self) -> bool:
+        """Global rank 0."""
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """Rank 0 of its node."""
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        """The highest global rank."""
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        """More than one process."""
+        return self.num_processes > 1
+
+
+def distributed_type(
+    device: torch.device, num_processes: int, handlers: Iterable[Any], models: Iterable[Any]
+) -> DistributedType:
+    """``FSDP`` when a handler declares it (a ``distributed_type`` class attribute) or a
+    prepared model is sharded (FSDP1 wrapper, FSDP2 module, ``DTensor`` parameters); else
+    plain data parallelism's type for the device
+    (:func:`~kwplug.utils.dataclasses.default_distributed_type`)."""
+    for handler in handlers:
+        declared = getattr(handler, "distributed_type", None)
+        if declared is not None:
+            return DistributedType(declared)
+    if num_processes > 1 and any(_is_sharded(model) for model in models):
+        return DistributedType.FSDP
+    return default_distributed_type(device.type, num_processes)
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    fsdp = getattr(torch.distributed, "fsdp", None)
+    kinds = tuple(
+        kind
+        for kind in (
+            getattr(fsdp, "FSDPModule", None),
+            getattr(fsdp, "FullyShardedDataParallel", None),
+        )
+        if isinstance(kind, type)
+    )
+    if kinds and any(isinstance(m, kinds) for m in model.modules()):
+        return True
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+@contextlib.contextmanager
+def goes_first(is_first: bool, num_processes: int) -> Iterator[None]:
+    """The process(es) with ``is_first`` run the block, then the others (a barrier between)."""
+    if not is_first:
+        _ops.wait_for_everyone(num_processes)
+    yield
+    if is_first:
+        _ops.wait_for_everyone(num_processes)
+
+
+def run_if(function: F, should_run: Callable[[], bool]) -> F:
+    """``function`` when ``should_run()`` at call time; otherwise a call returns ``None``."""
+
+    @functools.wraps(function)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs) if should_run() else None
+
+    return inner  # type: ignore[return-value]
+
+
+def split_between_processes(
+    inputs: Any, num_processes: int, process_index: int, apply_padding: bool
+) -> Any:
+    """This process's contiguous part of ``inputs`` (list, tuple, tensor, or a mapping of
+    them, all of one length); the first ``len % num_processes`` processes get one more.
+
+    With ``apply_padding`` every part is made as long as the longest by repeating the last
+    element of ``inputs``, so that the parts can be gathered (a process with nothing left
+    gets only that). Other objects are returned whole.
+
+    Raises:
+        ValueError: a mapping's values have different lengths.
+    """
+    if num_processes == 1:
+        return inputs
+    if isinstance(inputs, Mapping):
+        lengths = {len(v) for v in inputs.values()}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"split_between_processes needs every value of the mapping to have one length, "
+                f"got {sorted(lengths)}"
+            )
+        length = lengths.pop() if lengths else 0
+    elif isinstance(inputs, (list, tuple, torch.Tensor)):
+        length = len(inputs)
+    else:
+        return inputs
+    per_process, extras = divmod(length, num_processes)
+    start = process_index * per_process + min(process_index, extras)
+    end = start + per_process + (1 if process_index < extras else 0)
+    longest = per_process + (1 if extras else 0)
+
+    def part(values: Any) -> Any:
+        if not isinstance(values, (list, tuple, torch.Tensor)):
+            return values
+        piece: Any = values[start:end]
+        missing = longest - len(piece) if apply_padding else 0
+        if missing <= 0:
+            return piece
+        if isinstance(values, torch.Tensor):
+            return torch.cat([piece, values[-1:].expand(missing, *values.shape[1:])])
+        return piece + type(values)([values[-1]] * missing)
+
+    if isinstance(inputs, Mapping):
+        return type(inputs)({k: part(v) for k, v in inputs.items()})  # type: ignore[call-arg]
+    return part(inputs)

@@ -1,0 +1,215 @@
+"""The ``Accelerator`` methods of data loaders, distributed metrics and process control
+(Accelerate's names), as a base class of the facade so that ``_facade`` stays small. Each
+method delegates to :mod:`._metrics`, :mod:`._process` or :mod:`kwplug.data`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from kwplug.accelerator import _metrics, _ops, _process
+from kwplug.accelerator._prepare import _Prepared
+from kwplug.accelerator._process import ProcessState
+from kwplug.accelerator._setup import _Setup
+from kwplug.data import PreparedDataLoader
+from kwplug.utils.dataclasses import DistributedType
+from kwplug.utils.memory import release_memory
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _DataAndProcessAPI:
+    """Accelerate's data-loader, metrics and process-control methods of ``Accelerator``."""
+
+    _setup: _Setup
+    _prepared: _Prepared
+    device: torch.device
+    mixed_precision: str
+    num_processes: int
+    process_index: int
+    local_process_index: int
+    _trigger: torch.Tensor | None = None
+
+    # -- data loaders --------------------------------------------------------------------
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """Make the next iteration of a prepared ``dataloader`` skip its first
+        ``num_batches`` batches, and return it (the same object; Accelerate returns a copy).
+
+        That iteration draws its order as Accelerate's does, and the count *replaces* a
+        position that :meth:`load_state` restored, so calling both never skips twice. After
+        ``load_state`` use one of the two: iterate the loader as it is (exact resume: the rest
+        of the interrupted epoch in its order), or, as Accelerate's examples do, call this
+        with the batches already seen (the batches Accelerate would give).
+
+        Raises:
+            TypeError: ``dataloader`` was not prepared by kwplug.
+            ValueError: ``num_batches < 0``.
+        """
+        if not isinstance(dataloader, PreparedDataLoader):
+            raise TypeError(
+                "skip_first_batches needs a data loader returned by accelerator.prepare, got "
+                f"{type(dataloader).__name__}"
+            )
+        dataloader.skip_first_batches(num_batches)
+        return dataloader
+
+    # -- distributed metrics -------------------------------------------------------------
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """:meth:`gather` for evaluation: on the last batch of a prepared loader, the samples
+        repeated to even out the last global batch are dropped, so that over an epoch the
+        metric receives exactly ``len(dataset)`` samples.
+
+        Args:
+            input_data: a tensor or nested tuples/lists/dicts of tensors (first dimension:
+                samples); anything else is gathered as Python objects.
+            use_gather_object: gather with ``gather_object`` (lists of objects) even when
+                ``input_data`` holds only tensors.
+        """
+        return _metrics.gather_for_metrics(
+            input_data, use_gather_object, self._prepared.active_loaders
+        )
+
+    def pad_across_processes(
+        self, tensor: Any, dim: int = 0, pad_index: int | float = 0, pad_first: bool = False
+    ) -> Any:
+        """Pad each tensor of nested ``tensor`` along ``dim`` to the longest on any process
+        (:func:`kwplug.utils.pad_across_processes`), so that :meth:`gather` accepts it."""
+        return _metrics.pad_across_processes(tensor, dim, pad_index, pad_first)
+
+    # -- the run -------------------------------------------------------------------------
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """``NO`` (one process), ``MULTI_CPU``/``MULTI_GPU``/... (data parallel), or ``FSDP``
+        when a handler declares it (class attribute ``distributed_type``) or a prepared model
+        is sharded (FSDP1/FSDP2 module, ``DTensor`` parameters)."""
+        return _process.distributed_type(
+            self.device, self.num_processes, self._setup.handlers, self._prepared.models
+        )
+
+    @property
+    def state(self) -> ProcessState:
+        """A snapshot of the run: ranks, device, ``distributed_type``, ``mixed_precision``."""
+        return ProcessState(
+            self.num_processes,
+            self.process_index,
+            self.local_process_index,
+            self.device,
+            self.distributed_type,
+            self.mixed_precision,
+        )
+
+    @property
+    def use_distributed(self) -> bool:
+        """True when more than one process runs."""
+        return self.num_processes > 1
+
+    @property
+    def is_last_process(self) -> bool:
+        """True on the highest global rank."""
+        return self.process_index == self.num_processes - 1
+
+    # -- which process runs what ---------------------------------------------------------
+
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """``with accelerator.main_process_first():`` rank 0 runs the block, then the others
+        (e.g. download or preprocess once, then read the cache)."""
+        return _process.goes_first(self.process_index == 0, self.num_processes)
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """As :meth:`main_process_first`, with local rank 0 of each node first."""
+        return _process.goes_first(self.local_process_index == 0, self.num_processes)
+
+    def on_main_process(self, function: F) -> F:
+        """Decorator: ``function`` runs on global rank 0 only (elsewhere a call returns
+        ``None``); in a single process it always runs."""
+        return _process.run_if(function, lambda: self.process_index == 0)
+
+    def on_local_main_process(self, function: F) -> F:
+        """Decorator: ``function`` runs on local rank 0 of each node only."""
+        return _process.run_if(function, lambda: self.local_process_index == 0)
+
+    def on_last_process(self, function: F) -> F:
+        """Decorator: ``function`` runs on the last global rank only."""
+        return _process.run_if(function, lambda: self.is_last_process)
+
+    def on_process(self, function: F | None = None, process_index: int | None = None) -> Any:
+        """Decorator: ``function`` runs on global rank ``process_index`` only; use as
+        ``@accelerator.on_process(process_index=1)``.
+
+        Raises:
+            ValueError: ``process_index`` is missing.
+        """
+        return self._on_rank("process_index", function, process_index)
+
+    def on_local_process(
+        self, function: F | None = None, local_process_index: int | None = None
+    ) -> Any:
+        """Decorator: ``function`` runs on local rank ``local_process_index`` of each node."""
+        return self._on_rank("local_process_index", function, local_process_index)
+
+    def _on_rank(self, attribute: str, function: Any, index: int | None) -> Any:
+        if index is None:
+            raise ValueError(f"on_process needs {attribute}=<rank>")
+        if function is None:
+            return lambda f: self._on_rank(attribute, f, index)
+        return _process.run_if(
+            function, lambda: not self.use_distributed or getattr(self, attribute) == index
+        )
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """``with accelerator.split_between_processes(inputs) as mine:`` this process's
+        contiguous part of a list, tuple, tensor or dict of them (the first
+        ``len % num_processes`` processes get one more item).
+
+        Args:
+            inputs: the whole input, the same on every process.
+            apply_padding: repeat the last item so that every part has the same length
+                (for :meth:`gather`; drop the padding from the gathered result yourself).
+
+        Raises:
+            ValueError: a dict's values have different lengths.
+        """
+        yield _process.split_between_processes(
+            inputs, self.num_processes, self.process_index, apply_padding
+        )
+
+    # -- triggers and memory -------------------------------------------------------------
+
+    def set_trigger(self) -> None:
+        """Raise this process's flag; the next :meth:`check_trigger` (on every process) sees
+        it (e.g. early stopping decided on one rank)."""
+        self._trigger = _metrics.trigger_tensor(1, self.device)
+
+    def check_trigger(self) -> bool:
+        """True on every process when any process called :meth:`set_trigger` since the last
+        check (an all-reduce; every process must call it). The flags are lowered again."""
+        flag = (
+            self._trigger if self._trigger is not None else _metrics.trigger_tensor(0, self.device)
+        )
+        if _ops.reduce(flag, self.num_processes, "sum").item() >= 1:
+            self._trigger = None
+            return True
+        return False
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Drop this Accelerator's references to everything it prepared, collect garbage and
+        empty the device cache. Use ``a, b = accelerator.free_memory(a, b)`` to drop yours.
+
+        Returns:
+            One ``None`` per argument.
+        """
+        self._prepared.clear()
+        self._prepared.gradient_state.restart()  # as Accelerate resets its step count
+        self._trigger = None
+        return release_memory(*objects)
+
+    def clear(self, *objects: Any) -> list[None]:
+        """Alias of :meth:`free_memory`."""
+        return self.free_memory(*objects)
