@@ -28,7 +28,11 @@ def test_order_does_not_depend_on_entry_point_order(monkeypatch: pytest.MonkeyPa
         ep = importlib_metadata.EntryPoint(
             name, "kwplug.plugins.autocast:AutocastKwargs", discovery.GROUP
         )
-        meta = type("Dist", (), {"name": dist, "version": "1.0"})()
+        meta = (  # built-in means kwplug's own installed distribution, not just the name
+            importlib_metadata.distribution("kwplug")
+            if dist == "kwplug"
+            else type("Dist", (), {"name": dist, "version": "1.0"})()
+        )
         return ep._for(meta)  # type: ignore[attr-defined, no-any-return]
 
     eps = [

@@ -16,12 +16,17 @@ never imported.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+import re
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import attrs
 import importlib_metadata
@@ -40,20 +45,23 @@ from kwplug.errors import PluginLoadError, PluginLoadWarning
 GROUP = "kwplug.handlers"
 #: A plugin slower than this to import (seconds) is reported with a PluginLoadWarning.
 SLOW_IMPORT_SECONDS = 1.0
+#: A plugin import still running after this many seconds is logged (level WARNING, logger
+#: ``kwplug.discovery``) while it runs, naming the plugin: a hang says which plugin hangs.
+HUNG_IMPORT_SECONDS = 5.0
 
 # The public logger name (documented), kept from when this was the module kwplug.discovery.
 logger = logging.getLogger("kwplug.discovery")
 
 
 def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
-    dist = ep.dist
-    record = PluginRecord(
-        name=ep.name,
-        value=ep.value,
-        distribution=dist.name if dist is not None else "<unknown>",
-        version=dist.version if dist is not None else "<unknown>",
-    )
+    distribution, version = _dist(ep)
+    record = PluginRecord(ep.name, ep.value, distribution, version, builtin=_builtin(ep))
     start = time.perf_counter()
+    # An import cannot be interrupted from Python, so a hung plugin cannot be skipped; but it
+    # is named while it hangs (from a timer thread) instead of leaving a silent process.
+    watchdog = threading.Timer(HUNG_IMPORT_SECONDS, _report_hung, args=(record,))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         obj = ep.load()
         problem = entry_point_object_problem(obj, ep.value)
@@ -68,12 +76,30 @@ def _load(ep: importlib_metadata.EntryPoint) -> PluginRecord:
         if problem is not None:
             raise TypeError(problem)
         hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
-    except Exception as exc:  # any failure of third-party code must not take kwplug down
+    except KeyboardInterrupt:  # the user's Ctrl-C stops the program, as everywhere else
+        raise
+    except BaseException as exc:  # a plugin's SystemExit must not end the run
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, for tables
         return attrs.evolve(
             record, error=reason, status="failed", load_seconds=time.perf_counter() - start
         )
+    finally:
+        watchdog.cancel()
     return attrs.evolve(record, obj=obj, hooks=hooks, load_seconds=time.perf_counter() - start)
+
+
+def _report_hung(record: PluginRecord) -> None:
+    # Runs on the watchdog thread: logging is thread-safe (warnings' filters are not), and
+    # without any logging configuration a WARNING still reaches stderr (logging.lastResort).
+    logger.warning(
+        "kwplug: still importing handler plugin %s (%s) after %.0f s; an import cannot be "
+        "interrupted: if it hangs, block it with KWPLUG_BLOCK_PLUGINS=%s:%s",
+        record.describe(),
+        record.value,
+        HUNG_IMPORT_SECONDS,
+        record.distribution,
+        record.name,
+    )
 
 
 _visible: Callable[[importlib_metadata.EntryPoint], bool] | None = None
@@ -97,10 +123,11 @@ def visible() -> Callable[[importlib_metadata.EntryPoint], bool] | None:
 def _entry_points() -> tuple[importlib_metadata.EntryPoint, ...]:
     # Reading metadata is cheap; importing plugins is not, so loading is separate (and skipped
     # for third-party plugins when autoload is disabled).
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str, str, bool]] = set()
     found = []
     for ep in importlib_metadata.entry_points(group=GROUP):
-        key = (ep.dist.name if ep.dist is not None else "", ep.name)
+        # A foreign metadata folder named kwplug must not shadow kwplug's own entry points.
+        key = (ep.dist.name if ep.dist is not None else "", ep.name, _builtin(ep))
         if key not in seen:  # the same distribution can be seen twice on sys.path
             seen.add(key)
             found.append(ep)
@@ -147,10 +174,45 @@ def _incompatible(ep: importlib_metadata.EntryPoint, problem: str) -> PluginReco
     distribution, version = _dist(ep)
     record = PluginRecord(
         ep.name, ep.value, distribution, version, error=problem, status="incompatible"
-    )
+    )  # never built-in: built-ins are not checked against the API range
     message = f"kwplug: handler plugin {record.describe()} is not loaded: {problem}"
     _warn(message, record)
     return record
+
+
+# kwplug's own package folder, and the file its distribution metadata must point at.
+_OWN_INIT = os.path.join(_CORE, "__init__.py")
+
+
+def is_own_distribution(dist: importlib_metadata.Distribution) -> bool:
+    """Whether ``dist`` is the distribution this very kwplug was installed from.
+
+    The name alone proves nothing: any folder on ``sys.path`` may hold a ``kwplug-*.dist-info``
+    (a stale copy, a malicious one), and built-ins skip the loading controls and the API range.
+    ``dist`` is kwplug's own when it is named ``kwplug`` and either lists kwplug's imported
+    ``__init__.py`` among its installed files, or is an editable install (``direct_url.json``)
+    of the source folder kwplug was imported from.
+    """
+    # PEP 503 normalisation by hand: packaging costs milliseconds at every start-up.
+    if re.sub(r"[-_.]+", "-", dist.name).lower() != OWN_DISTRIBUTION:
+        return False
+    own = os.path.realpath(_OWN_INIT)
+    for path in dist.files or ():
+        if path.name == "__init__.py" and os.path.realpath(dist.locate_file(path)) == own:
+            return True
+    try:
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    except ValueError:
+        return False
+    url = direct.get("url", "") if isinstance(direct, dict) else ""
+    if not (url.startswith("file://") and direct.get("dir_info", {}).get("editable")):
+        return False
+    source = os.path.realpath(url2pathname(urlparse(url).path))
+    return own.startswith(source + os.sep)
+
+
+def _builtin(ep: importlib_metadata.EntryPoint) -> bool:
+    return ep.dist is not None and is_own_distribution(ep.dist)
 
 
 def _dist(ep: importlib_metadata.EntryPoint) -> tuple[str, str]:
@@ -169,7 +231,7 @@ def _warn_unknown_once(controls: LoadControls, known: tuple[tuple[str, str], ...
     controls.warn_unknown(known)
 
 
-def discover(*, refresh: bool = False) -> tuple[PluginRecord, ...]:
+def discover(*, refresh: bool = False, strict: bool | None = None) -> tuple[PluginRecord, ...]:
     """Return the records of the ``kwplug.handlers`` entry points, in precedence order.
 
     Third-party plugins come first (sorted by distribution name, then entry-point name), then
@@ -181,16 +243,25 @@ def discover(*, refresh: bool = False) -> tuple[PluginRecord, ...]:
     Args:
         refresh: forget the per-process cache and read the entry points again (after a
             ``pip install`` in the same process).
+        strict: raise when a plugin failed to load; ``None`` (default): as
+            ``KWPLUG_STRICT_PLUGINS`` says. ``kwplug plugins`` passes ``False`` to list the
+            failure instead.
 
     Raises:
-        PluginLoadError: a plugin failed to load and ``KWPLUG_STRICT_PLUGINS=1``.
+        PluginLoadError: a plugin failed to load and ``KWPLUG_STRICT_PLUGINS=1`` (or
+            ``strict=True``), or ``KWPLUG_STRICT_PLUGINS`` has a value that is not a boolean.
     """
     if refresh:
         _entry_points.cache_clear()
         _load_cached.cache_clear()
         _incompatible.cache_clear()
         _discover.cache_clear()
-    return _discover(LoadControls.from_env())
+    controls = LoadControls.from_env()
+    records = _discover(controls)
+    error = strict_error(records) if (controls.strict if strict is None else strict) else None
+    if error is not None:
+        raise error
+    return records
 
 
 @functools.cache
@@ -202,7 +273,7 @@ def _discover(controls: LoadControls) -> tuple[PluginRecord, ...]:
         if _visible is not None and not _visible(ep):
             continue
         distribution, version = _dist(ep)
-        builtin = distribution == OWN_DISTRIBUTION
+        builtin = _builtin(ep)
         status = controls.status(ep.name, distribution, builtin)
         problem = None if builtin or status is not None else api_problem(ep.dist)
         if problem is not None:  # never imported: an incompatible plugin is not half-loaded
@@ -210,16 +281,24 @@ def _discover(controls: LoadControls) -> tuple[PluginRecord, ...]:
         elif status is None:
             records.append(_load_cached(ep))
         else:
-            records.append(PluginRecord(ep.name, ep.value, distribution, version, status=status))
+            records.append(
+                PluginRecord(
+                    ep.name, ep.value, distribution, version, status=status, builtin=builtin
+                )
+            )
     if controls.allow or controls.block:
         _warn_unknown_once(controls, tuple(sorted((r.name, r.distribution) for r in records)))
-    if controls.strict:
-        failed = [r for r in records if r.status in ("failed", "incompatible")]
-        if failed:
-            _discover.cache_clear()  # raise again next time
-            raise PluginLoadError(
-                "KWPLUG_STRICT_PLUGINS is set and handler plugin(s) failed to load: "
-                + "; ".join(f"{r.describe()}: {r.error}" for r in failed),
-                plugins=tuple((r.name, r.distribution) for r in failed),
-            )
     return tuple(sorted(records, key=_order_key))
+
+
+def strict_error(records: tuple[PluginRecord, ...]) -> PluginLoadError | None:
+    """The error ``KWPLUG_STRICT_PLUGINS`` raises for ``records``' failed plugins, or ``None``
+    when every plugin loaded (or was blocked or disabled)."""
+    failed = [r for r in records if r.status in ("failed", "incompatible")]
+    if not failed:
+        return None
+    return PluginLoadError(
+        "KWPLUG_STRICT_PLUGINS is set and handler plugin(s) failed to load: "
+        + "; ".join(f"{r.describe()}: {r.error}" for r in failed),
+        plugins=tuple((r.name, r.distribution) for r in failed),
+    )

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from kwplug._plugins import Answer
 from kwplug.accelerator._setup import _Setup
 from kwplug.data import prepare_dataloader
+from kwplug.errors import PluginHookError
 from kwplug.optimizer import ScaledOptimizer
 from kwplug.params import ParameterRemap
 
@@ -25,6 +26,26 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def _require_synchronised(setup: _Setup, model: torch.nn.Module) -> None:
+    # Without a wrapper nothing all-reduces the gradients: every rank would train its own
+    # model and the run would end "successfully" with diverged weights.
+    world_size = setup.process.world_size
+    if world_size <= 1 or not any(p.requires_grad for p in model.parameters()):
+        return
+    implementers = [
+        setup.plugins.describe(i.plugin_name) for i in setup.plugins.hook_impls("wrap_model")
+    ]
+    raise PluginHookError(
+        f"{world_size} processes are running but no plugin wrapped the model "
+        f"{type(model).__qualname__} (hook 'wrap_model' answered None; implemented by: "
+        f"{', '.join(implementers) or 'no loaded plugin'}), so its gradients would never be "
+        "synchronised and each rank would train its own copy. Load the built-in 'ddp' plugin "
+        "(check KWPLUG_BLOCK_PLUGINS, KWPLUG_PLUGINS; `kwplug plugins` lists them) or pass a "
+        "handler that implements wrap_model",
+        hook="wrap_model",
+    )
 
 
 @attrs.define(eq=False)
@@ -71,6 +92,8 @@ class _Prepared:
 
         Raises:
             TypeError: the answering plugin returned something that is not a module.
+            PluginHookError: several processes run and no plugin wrapped a model that has
+                trainable parameters (its gradients would never be synchronised).
         """
         setup = self.setup
         before = dict(model.named_parameters())
@@ -90,6 +113,8 @@ class _Prepared:
                 f"hook 'wrap_model' of {setup.plugins.describe(plugin)} returned "
                 f"{type(wrapped).__name__}, not a torch.nn.Module"
             )
+        if wrapped is None:
+            _require_synchronised(setup, model)
         result = wrapped if wrapped is not None else model
         if self.remap.learn(before, dict(unwrap_model(result).named_parameters())):
             for optimizer in self.optimizers:
