@@ -123,14 +123,18 @@ def visible() -> Callable[[importlib_metadata.EntryPoint], bool] | None:
 def _entry_points() -> tuple[importlib_metadata.EntryPoint, ...]:
     # Reading metadata is cheap; importing plugins is not, so loading is separate (and skipped
     # for third-party plugins when autoload is disabled).
+    # Every distribution, not importlib_metadata.entry_points(): that keeps only the first
+    # distribution of each name on sys.path, so a foreign metadata folder named kwplug placed
+    # first would hide kwplug's own built-ins.
     seen: set[tuple[str, str, bool]] = set()
     found = []
-    for ep in importlib_metadata.entry_points(group=GROUP):
-        # A foreign metadata folder named kwplug must not shadow kwplug's own entry points.
-        key = (ep.dist.name if ep.dist is not None else "", ep.name, _builtin(ep))
-        if key not in seen:  # the same distribution can be seen twice on sys.path
-            seen.add(key)
-            found.append(ep)
+    for dist in importlib_metadata.distributions():
+        builtin = is_own_distribution(dist)
+        for ep in dist.entry_points.select(group=GROUP):
+            key = (re.sub(r"[-_.]+", "-", dist.name or "").lower(), ep.name, builtin)
+            if key not in seen:  # the same distribution can be seen twice on sys.path
+                seen.add(key)
+                found.append(ep)
     return tuple(found)
 
 
@@ -194,7 +198,7 @@ def is_own_distribution(dist: importlib_metadata.Distribution) -> bool:
     of the source folder kwplug was imported from.
     """
     # PEP 503 normalisation by hand: packaging costs milliseconds at every start-up.
-    if re.sub(r"[-_.]+", "-", dist.name).lower() != OWN_DISTRIBUTION:
+    if re.sub(r"[-_.]+", "-", dist.name or "").lower() != OWN_DISTRIBUTION:
         return False
     own = os.path.realpath(_OWN_INIT)
     for path in dist.files or ():
