@@ -76,6 +76,24 @@ def _check_init_method(instance: Any, attribute: attrs.Attribute[Any], value: An
 
 
 @attrs.define
+class _LiveGroup:
+    """What this process's groups were formed with (per process, like the group itself).
+
+    Attributes:
+        formed: how many default groups kwplug has formed in this process.
+        group: the last one (compared by identity with ``dist.group.WORLD``).
+        timeout: its timeout (torch has no public getter for it).
+    """
+
+    formed: int = 0
+    group: Any = None
+    timeout: timedelta | None = None
+
+
+_live = _LiveGroup()
+
+
+@attrs.define
 class InitProcessGroupKwargs(KwargsHandler):
     """Options of ``torch.distributed.init_process_group``, used under ``torchrun``.
 
@@ -148,21 +166,51 @@ class InitProcessGroupKwargs(KwargsHandler):
             return dist.Backend.default_device_backend_map.get(device_type, "gloo")
         return self.backend
 
-    def _restart_safe_store(self, world_size: int, rank: int) -> Any:
-        """torch's own ``env://`` rendezvous, namespaced by torchrun's restart attempt.
+    def _fresh_store(self, world_size: int, rank: int) -> Any:
+        """torch's own ``env://`` rendezvous, namespaced by torchrun's restart attempt and by
+        how many groups this process formed before.
 
-        After ``torchrun --max-restarts`` restarts the workers, the store can still hold the
-        previous attempt's peer addresses under the same keys, and a restarted gloo group may
-        try to connect to a dead peer. A ``PrefixStore`` per ``TORCHELASTIC_RESTART_COUNT``
-        keeps attempts apart; ``None`` (plain ``init_method``) outside restarts.
+        torchrun's agent keeps one store for the whole job, and a destroyed group's keys stay
+        in it: the next group (after ``end_training()``, or after ``torchrun --max-restarts``
+        restarted the workers) reads the same keys, so a rank that arrives first finds the
+        previous group's peer addresses, connects to a closed socket and fails ("Connection
+        reset by peer") -- 4 runs in 5 when a rank arrives 3 s late. A ``PrefixStore`` per
+        (``TORCHELASTIC_RESTART_COUNT``, group number) keeps every group apart; ``None`` (plain
+        ``init_method``) for a first group outside restarts.
         """
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if self.init_method is not None or attempt in (None, "", "0"):
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+        if self.init_method is not None or (attempt == "0" and _live.formed == 0):
             return None
         from torch.distributed import PrefixStore, rendezvous  # type: ignore[attr-defined]
 
         store, _, _ = next(rendezvous("env://", rank, world_size, timeout=self.timeout))
-        return PrefixStore(f"kwplug/attempt_{attempt}", store)
+        return PrefixStore(f"kwplug/attempt_{attempt}/group_{_live.formed}", store)
+
+    @hookimpl
+    def validate_setup(self, device_type: str) -> None:
+        """When a process group already exists, check that it has this handler's settings.
+
+        A handler equal to the default one asks for nothing and is not checked.
+
+        Raises:
+            ValueError: the live group's backend or timeout (when kwplug formed it) differs
+                from this handler's; the message names both values.
+        """
+        if not (dist.is_available() and dist.is_initialized()) or self == type(self)():
+            return
+        differences = []
+        backend = self.resolved_backend(device_type)
+        live_backend = str(dist.get_backend())
+        if ":" not in backend and backend != live_backend:
+            differences.append(f"backend {backend!r} (the live group runs {live_backend!r})")
+        if _live.group is dist.group.WORLD and self.timeout != _live.timeout:
+            differences.append(f"timeout {self.timeout} (the live group has {_live.timeout})")
+        if differences:
+            raise ValueError(
+                f"InitProcessGroupKwargs asks for {' and '.join(differences)}, but the default "
+                "process group already exists and would be kept as it is; call "
+                "end_training() on the earlier Accelerator first, or pass the same settings"
+            )
 
     @hookimpl
     def init_process_group(self, device_type: str, world_size: int, rank: int) -> bool | None:
@@ -177,7 +225,7 @@ class InitProcessGroupKwargs(KwargsHandler):
             return None
         backend = self.resolved_backend(device_type)
         try:
-            store = self._restart_safe_store(world_size, rank)
+            store = self._fresh_store(world_size, rank)
             dist.init_process_group(
                 backend=backend,
                 init_method=None if store is not None else self.init_method,
@@ -196,4 +244,7 @@ class InitProcessGroupKwargs(KwargsHandler):
                 f"rank {rank}/{world_size} could not initialise the {backend} process group "
                 f"({where}, timeout {self.timeout}): {type(exc).__name__}: {first_line}"
             ) from exc
+        _live.formed += 1
+        _live.group = dist.group.WORLD
+        _live.timeout = self.timeout
         return True
