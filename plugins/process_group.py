@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import attrs
 import torch.distributed as dist
@@ -16,6 +17,8 @@ from kwplug.hookspecs import hookimpl
 DEFAULT_BACKEND = "nccl"
 _NCCL_TIMEOUT = timedelta(seconds=600)
 _OTHER_TIMEOUT = timedelta(seconds=1800)
+#: Shortest accepted ``timeout``, in seconds.
+MIN_TIMEOUT_SECONDS = 1
 
 
 def _to_timedelta(value: Any) -> Any:
@@ -45,9 +48,17 @@ def _check_backend(instance: Any, attribute: attrs.Attribute[str], value: Any) -
             f"'{attribute.name}' must be a backend name (str) such as 'nccl', 'gloo', 'mpi', "
             f"'xccl', got {value!r}"
         )
-    if ":" in value:  # "cpu:gloo,cuda:nccl" device-to-backend maps are passed through
-        return
     known = {b for b in dist.Backend.backend_list if b != "undefined"}
+    if ":" in value:  # a device-to-backend map, "cpu:gloo,cuda:nccl"
+        for part in value.split(","):
+            device, sep, backend = part.strip().partition(":")
+            if not (sep and device.strip() and backend.strip().lower() in known):
+                raise ValueError(
+                    f"'{attribute.name}' map entry {part.strip()!r} of {value!r} is not "
+                    f"'device:backend' with a backend among {sorted(known)}; accepted forms: "
+                    "'gloo' or 'cpu:gloo,cuda:nccl'"
+                )
+        return
     if value.lower() not in known:
         raise ValueError(
             f"'{attribute.name}' must be one of {sorted(known)} (or 'device:backend,...'), "
@@ -63,16 +74,44 @@ def _check_timeout(instance: Any, attribute: attrs.Attribute[Any], value: Any) -
             f"'{attribute.name}' must be a datetime.timedelta, seconds (int/float) or None, "
             f"got {value!r} of type {type(value).__name__}"
         )
-    if value.total_seconds() <= 0:
-        raise ValueError(f"'{attribute.name}' must be positive, got {value}")
+    if value.total_seconds() < MIN_TIMEOUT_SECONDS:
+        # Below a second no rendezvous completes: the run would fail later with a timeout
+        # that looks like a network problem.
+        raise ValueError(
+            f"'{attribute.name}' must be at least {MIN_TIMEOUT_SECONDS} second (a timedelta "
+            f"or seconds), got {value}"
+        )
+
+
+_INIT_METHOD_FORMS = "'env://', 'tcp://host:port' or 'file:///path/to/file'"
 
 
 def _check_init_method(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not isinstance(value, str):
+    if value is None:
+        return
+    if not isinstance(value, str):
         raise TypeError(
-            f"'{attribute.name}' must be None or a URL str such as 'env://' or "
-            f"'tcp://host:port', got {value!r}"
+            f"'{attribute.name}' must be None or a URL str such as {_INIT_METHOD_FORMS}, "
+            f"got {value!r}"
         )
+    parsed = urlparse(value)
+    well_formed = (
+        (parsed.scheme == "env" and value.startswith("env://"))
+        or (parsed.scheme == "file" and bool(parsed.path))
+        or (parsed.scheme == "tcp" and bool(parsed.hostname) and _has_port(parsed))
+    )
+    if not well_formed:
+        # "localhost:1234" parses as scheme "localhost": torch would fail much later.
+        raise ValueError(
+            f"'{attribute.name}' must be None or one of {_INIT_METHOD_FORMS}, got {value!r}"
+        )
+
+
+def _has_port(parsed: Any) -> bool:
+    try:
+        return parsed.port is not None
+    except ValueError:  # a port that is not a number or out of range
+        return False
 
 
 @attrs.define
@@ -117,7 +156,9 @@ class InitProcessGroupKwargs(KwargsHandler):
 
     Raises:
         TypeError: a field has the wrong type.
-        ValueError: an unknown backend or a non-positive timeout.
+        ValueError: an unknown backend (or a malformed ``device:backend`` map), an
+            ``init_method`` not of the form ``env://``, ``tcp://host:port`` or
+            ``file:///path``, or a timeout below :data:`MIN_TIMEOUT_SECONDS`.
     """
 
     backend: str = attrs.field(
