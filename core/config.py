@@ -234,6 +234,5 @@ def build_handler(name: str, options: Any, where: str = "<mapping>") -> KwargsHa
     except (TypeError, ValueError) as exc:
         # Validators name their field in quotes: point the error's key at it.
         field = next((k for k in options if f"'{k}'" in str(exc)), None)
-        at = f" key {field!r}" if field else ""
         key = f"{table}.{field}" if field else table
-        raise ConfigError(f"{place}{at}: {exc}", file=where, key=key) from exc
+        raise ConfigError(f"{place}: {exc}", file=where, key=key) from exc
