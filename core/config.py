@@ -120,7 +120,8 @@ def _read_toml(path: Path, where: str) -> dict[str, Any]:
             key=_dotted(table, key),
         ) from None
     try:
-        return tomllib.loads(text)
+        data: dict[str, Any] = tomllib.loads(text)
+        return data
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{where}: malformed TOML: {exc}", file=where) from exc
     except RecursionError:  # tomllib recurses once per nested array or inline table

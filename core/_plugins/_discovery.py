@@ -25,6 +25,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
@@ -188,8 +189,9 @@ def _incompatible(ep: importlib_metadata.EntryPoint, problem: str) -> PluginReco
 _OWN_INIT = os.path.join(_CORE, "__init__.py")
 
 
-def is_own_distribution(dist: importlib_metadata.Distribution) -> bool:
-    """Whether ``dist`` is the distribution this very kwplug was installed from.
+def is_own_distribution(dist: Any) -> bool:
+    """Whether ``dist`` (an ``importlib_metadata.Distribution``) is the distribution this very
+    kwplug was installed from.
 
     The name alone proves nothing: any folder on ``sys.path`` may hold a ``kwplug-*.dist-info``
     (a stale copy, a malicious one), and built-ins skip the loading controls and the API range.
@@ -202,7 +204,7 @@ def is_own_distribution(dist: importlib_metadata.Distribution) -> bool:
         return False
     own = os.path.realpath(_OWN_INIT)
     for path in dist.files or ():
-        if path.name == "__init__.py" and os.path.realpath(dist.locate_file(path)) == own:
+        if path.name == "__init__.py" and os.path.realpath(str(dist.locate_file(path))) == own:
             return True
     try:
         direct = json.loads(dist.read_text("direct_url.json") or "{}")
