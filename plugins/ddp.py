@@ -123,10 +123,9 @@ def _check_str_keys(instance: Any, attribute: attrs.Attribute[Any], value: Any) 
 _check_state_option = attrs.validators.and_(attrs.validators.instance_of(dict), _check_str_keys)
 
 
-#: Largest accepted ``bucket_cap_mb`` (MiB): 1 TiB, beyond any device's memory; larger values
+#: Largest accepted ``bucket_cap_mb`` (MiB): about 1 TB, beyond any device's memory; larger values
 #: only overflow the byte count torch computes from it.
-MAX_BUCKET_CAP_MB = 2**20
-_BUCKET_RANGE = f"a number of MiB in (0, {MAX_BUCKET_CAP_MB}]"
+MAX_BUCKET_CAP_MB = 1_000_000
 
 
 @attrs.define
@@ -196,9 +195,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
     dim: int = attrs.field(default=0, validator=number(integer=True))
     broadcast_buffers: bool = attrs.field(default=True, validator=strict_bool)
-    bucket_cap_mb: float = attrs.field(
-        default=25, validator=number(gt=0, le=MAX_BUCKET_CAP_MB, description=_BUCKET_RANGE)
-    )
+    bucket_cap_mb: float = attrs.field(default=25, validator=number(gt=0, le=MAX_BUCKET_CAP_MB))
     find_unused_parameters: bool = attrs.field(default=False, validator=strict_bool)
     check_reduction: bool = attrs.field(default=False, validator=strict_bool)
     gradient_as_bucket_view: bool = attrs.field(default=False, validator=strict_bool)
