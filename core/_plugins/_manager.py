@@ -226,6 +226,7 @@ class KwplugPluginManager(pluggy.PluginManager):
         if handler is None:
             return self.call_first(hook, **kwargs)
         require_handler_instance(handler, f"the {hook} handler")
+        revalidate(handler)
         return self._first(hook, self._methods_of(handler, hook), kwargs)
 
     def call_each(
@@ -271,8 +272,8 @@ class KwplugPluginManager(pluggy.PluginManager):
         caller = getattr(self.hook, hook)
         impls = self.hook_impls(hook)
         if has_wrappers(impls):  # a wrapper may change the answer: no provenance to report
-            for obj in (*(i.plugin for i in impls), *(getattr(f, "__self__", None) for f in extra)):
-                revalidate(obj)
+            for impl in impls:
+                revalidate(impl.plugin)
             result = caller.call_extra(list(extra), dict(kwargs)) if extra else caller(**kwargs)
             return Answer(hook, result, None, ())
         # Per-call handlers answer before every registered plugin: pluggy calls the last first.
@@ -287,7 +288,7 @@ class KwplugPluginManager(pluggy.PluginManager):
 
     def _run(self, recording: Recording, kwargs: Mapping[str, Any], *, firstresult: bool) -> None:
         for impl in recording.impls:
-            revalidate(getattr(impl.function, "__self__", impl.plugin))
+            revalidate(impl.plugin)  # None for a per-call handler: call_with checked it
         self._recordings.append(recording)  # for the trace: who answered this call
         try:
             call_recorded(self, recording, kwargs, firstresult)
