@@ -15,7 +15,7 @@ def test_builtins_are_discovered_with_their_hooks() -> None:
         "ddp": ("validate_setup", "wrap_model"),
         "ddp_comm_hooks": ("comm_hooks",),
         "grad_scaler": ("make_scaler",),
-        "init_process_group": ("init_process_group",),
+        "init_process_group": ("init_process_group", "validate_setup"),
         "profile": ("make_profiler",),
     }
     assert all(
