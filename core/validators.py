@@ -91,7 +91,10 @@ def number(
 
     Args:
         integer: accept only ``int`` (default: ``int`` or ``float``).
-        gt, ge, lt, le: optional bounds (``>``, ``>=``, ``<``, ``<=``); NaN is never in range.
+        gt: optional exclusive lower bound (``>``); NaN is never in range.
+        ge: optional inclusive lower bound (``>=``).
+        lt: optional exclusive upper bound (``<``).
+        le: optional inclusive upper bound (``<=``).
         finite: refuse NaN and infinities (default ``True``), checked before the bounds.
         description: what the messages say is accepted (e.g. ``"a float in (0, 1]"``),
             instead of ``"an int"``/``"a number (int or float)"``, ``"finite"`` and the bounds.
