@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kwplug._plugins import PluginRecord, discover
+from kwplug._plugins._controls import LoadControls
+from kwplug._plugins._discovery import strict_error
+from kwplug.errors import PluginLoadError
 
 COLUMNS = ("name", "class", "distribution", "version", "hooks", "status", "source")
 
@@ -25,7 +28,6 @@ def plugin_rows(records: Sequence[PluginRecord]) -> list[dict[str, Any]]:
             if isinstance(obj, type)
             else getattr(obj, "__name__", r.value)
         )
-        status = f"{r.status}: {r.error}" if r.error is not None else r.status
         rows.append(
             {
                 "name": r.name,
@@ -33,8 +35,11 @@ def plugin_rows(records: Sequence[PluginRecord]) -> list[dict[str, Any]]:
                 "distribution": r.distribution,
                 "version": r.version,
                 "hooks": list(r.hooks),
-                "status": status,
+                # The table keeps the status one word; why it failed is in --json ("error")
+                # and on stderr, so a long traceback line never hides the other columns.
+                "status": r.status,
                 "source": r.source,
+                "error": r.error,
                 # --json only (the table keeps its columns): whether an Accelerator registers
                 # the plugin without being asked, and the devices it declares.
                 "default": _registered_by_default(r),
@@ -136,7 +141,7 @@ def explain(device_type: str, mixed_precision: str) -> dict[str, Any]:
     from kwplug._plugins import KwplugPluginManager
     from kwplug.hookspecs import HOOKS
 
-    pm = KwplugPluginManager.for_handlers([], discover())
+    pm = KwplugPluginManager.for_handlers([], discover(strict=False))
     conflicts = pm.conflicts(device_type)
     report: dict[str, Any] = {}
     for hook_name, info in HOOKS.items():
@@ -180,14 +185,27 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
                 if key in entry:
                     print(f"  {key}: {json.dumps(entry[key])}")
         return 0
-    rows = plugin_rows(discover())
+    records = discover(strict=False)
+    rows = plugin_rows(records)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
-    return 0
+    return _report_failures(records)
+
+
+def _report_failures(records: Sequence[PluginRecord]) -> int:
+    # Under KWPLUG_STRICT_PLUGINS the listing still prints (it is how one finds the culprit);
+    # the failures go to stderr and the exit status says the run would have stopped.
+    if not LoadControls.from_env().strict:
+        return 0
+    error = strict_error(tuple(records))
+    if error is None:
+        return 0
+    print(f"kwplug: {error}", file=sys.stderr)
+    return 1
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
     info = environment()
-    rows = plugin_rows(discover())
+    rows = plugin_rows(discover(strict=False))
     if args.json:
         print(json.dumps({**info, "plugins": rows}, indent=2))
         return 0
@@ -243,6 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `kwplug plugins | head`
         sys.stderr.close()
         return 0
+    except PluginLoadError as exc:  # a loading control that cannot be read
+        print(f"kwplug: error: {exc}", file=sys.stderr)
+        return 2
     return result
 
 

@@ -49,7 +49,8 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str,
         ``kwargs_handlers`` always), handlers in the order of the ``[handlers.*]`` tables.
 
     Raises:
-        ConfigError (a ``ValueError``): unreadable or malformed TOML, an unknown top-level key,
+        ConfigError (a ``ValueError``): unreadable, non-UTF-8 or malformed TOML, arrays or
+            tables nested more than :data:`MAX_DEPTH` levels, an unknown top-level key,
             an unknown handler name (the message lists the known ones), a table that is not a
             table, an unknown key in a handler table (lists the accepted keys), or a value the
             handler rejects (its ``TypeError``/``ValueError`` message, prefixed with the place).
@@ -59,15 +60,8 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str,
     else:
         path = Path(source)
         where = str(path)
-        try:
-            with path.open("rb") as fh:
-                data = tomllib.load(fh)
-        except OSError as exc:
-            raise ConfigError(
-                f"{where}: cannot read configuration: {exc.strerror}", file=where
-            ) from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{where}: malformed TOML: {exc}", file=where) from exc
+        data = _read_toml(path, where)
+    _check_depth(data, where)
 
     unknown = sorted(set(data) - {*ACCELERATOR_KEYS, "handlers"})
     if unknown:
@@ -100,6 +94,90 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str,
         build_handler(name, options, where) for name, options in tables.items()
     ]
     return kwargs
+
+
+#: Deepest nesting of arrays and tables accepted in a configuration (no handler needs more
+#: than 3; a deeper value is a mistake or an attack on the parser's recursion).
+MAX_DEPTH = 16
+
+
+def _read_toml(path: Path, where: str) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"{where}: cannot read configuration: {exc.strerror}", file=where
+        ) from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        table, key = _place_of_line(raw.decode("utf-8", "replace"), line)
+        raise ConfigError(
+            f"{where}: line {line}{_in(table, key)}: byte {raw[exc.start]:#04x} is not "
+            "UTF-8; TOML files must be UTF-8 text",
+            file=where,
+            key=_dotted(table, key),
+        ) from None
+    try:
+        data: dict[str, Any] = tomllib.loads(text)
+        return data
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where}: malformed TOML: {exc}", file=where) from exc
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        line = _deepest_line(text)
+        table, key = _place_of_line(text, line)
+        raise ConfigError(
+            f"{where}: line {line}{_in(table, key)}: arrays or tables nested too deeply "
+            f"(at most {MAX_DEPTH} levels)",
+            file=where,
+            key=_dotted(table, key),
+        ) from None
+
+
+def _deepest_line(text: str) -> int:
+    depths = [line.count("[") + line.count("{") for line in text.splitlines()] or [0]
+    return depths.index(max(depths)) + 1
+
+
+def _place_of_line(text: str, line: int) -> tuple[str | None, str | None]:
+    # The [table] header above ``line`` and the key on it, to name them in an error.
+    table = key = None
+    for number, content in enumerate(text.splitlines()[:line], 1):
+        stripped = content.strip()
+        if stripped.startswith("[") and not stripped.startswith("[["):
+            table = stripped.strip("[] ").split("]")[0].strip()
+        elif "=" in stripped and number == line:
+            key = stripped.split("=", 1)[0].strip()
+    return table, key
+
+
+def _dotted(table: str | None, key: str | None) -> str | None:
+    return ".".join(part for part in (table, key) if part) or None
+
+
+def _in(table: str | None, key: str | None) -> str:
+    parts = ([f"table [{table}]"] if table else []) + ([f"key {key!r}"] if key else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _check_depth(data: Mapping[str, Any], where: str) -> None:
+    # Iterative, so that a deep mapping given directly cannot exhaust the stack either.
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, key, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            table, _, leaf = key.rpartition(".")
+            raise ConfigError(
+                f"{where}{_in(table or None, leaf)}: arrays or tables nested more than "
+                f"{MAX_DEPTH} levels deep",
+                file=where,
+                key=key,
+            )
+        if isinstance(value, Mapping):
+            stack.extend((v, f"{key}.{k}" if key else str(k), depth + 1) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, key, depth + 1) for v in value)
 
 
 def build_handler(name: str, options: Any, where: str = "<mapping>") -> KwargsHandler:
@@ -155,4 +233,7 @@ def build_handler(name: str, options: Any, where: str = "<mapping>") -> KwargsHa
     try:
         return cls(**options)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{place}: {exc}", file=where, key=table) from exc
+        # Validators name their field in quotes: point the error's key at it.
+        field = next((k for k in options if f"'{k}'" in str(exc)), None)
+        key = f"{table}.{field}" if field else table
+        raise ConfigError(f"{place}: {exc}", file=where, key=key) from exc

@@ -128,6 +128,11 @@ def _check_str_keys(instance: Any, attribute: attrs.Attribute[Any], value: Any) 
 _check_state_option = attrs.validators.and_(attrs.validators.instance_of(dict), _check_str_keys)
 
 
+#: Largest accepted ``bucket_cap_mb`` (MiB): about 1 TB, beyond any device's memory; larger values
+#: only overflow the byte count torch computes from it.
+MAX_BUCKET_CAP_MB = 1_000_000
+
+
 @attrs.define
 class DistributedDataParallelKwargs(KwargsHandler):
     """Options of ``torch.nn.parallel.DistributedDataParallel`` and of its communication hook.
@@ -183,7 +188,8 @@ class DistributedDataParallelKwargs(KwargsHandler):
     Raises:
         TypeError: a field has the wrong type (``bool`` is not an ``int`` here, and ``0``/``1``
             are not bools); the message names the field and what it accepts.
-        ValueError: ``bucket_cap_mb`` <= 0; an empty ``comm_hook`` name; a ``comm_wrapper``
+        ValueError: ``bucket_cap_mb`` <= 0 or above :data:`MAX_BUCKET_CAP_MB`; an empty
+            ``comm_hook`` name; a ``comm_wrapper``
             other than no/fp16/bf16; at construction, ``comm_state_option`` keys that the
             chosen built-in hook does not accept (PowerSGD: the message lists the accepted
             keys), or options with ``"no"``/``"fp16"``/``"bf16"``/a callable hook.
@@ -194,7 +200,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
     dim: int = attrs.field(default=0, validator=number(integer=True))
     broadcast_buffers: bool = attrs.field(default=True, validator=strict_bool)
-    bucket_cap_mb: float = attrs.field(default=25, validator=number(gt=0))
+    bucket_cap_mb: float = attrs.field(default=25, validator=number(gt=0, le=MAX_BUCKET_CAP_MB))
     find_unused_parameters: bool = attrs.field(default=False, validator=strict_bool)
     check_reduction: bool = attrs.field(default=False, validator=strict_bool)
     gradient_as_bucket_view: bool = attrs.field(default=False, validator=strict_bool)

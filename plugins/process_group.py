@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import attrs
 import torch.distributed as dist
@@ -16,6 +17,8 @@ from kwplug.hookspecs import hookimpl
 DEFAULT_BACKEND = "nccl"
 _NCCL_TIMEOUT = timedelta(seconds=600)
 _OTHER_TIMEOUT = timedelta(seconds=1800)
+#: Shortest accepted ``timeout``, in seconds.
+MIN_TIMEOUT_SECONDS = 1
 
 
 def _to_timedelta(value: Any) -> Any:
@@ -47,9 +50,17 @@ def _check_backend(instance: Any, attribute: attrs.Attribute[Any], value: Any) -
             f"'{attribute.name}' must be None or a backend name (str) such as 'nccl', 'gloo', "
             f"'mpi', 'xccl', got {value!r}"
         )
-    if ":" in value:  # "cpu:gloo,cuda:nccl" device-to-backend maps are passed through
-        return
     known = {b for b in dist.Backend.backend_list if b != "undefined"}
+    if ":" in value:  # a device-to-backend map, "cpu:gloo,cuda:nccl"
+        for part in value.split(","):
+            device, sep, backend = part.strip().partition(":")
+            if not (sep and device.strip() and backend.strip().lower() in known):
+                raise ValueError(
+                    f"'{attribute.name}' map entry {part.strip()!r} of {value!r} is not "
+                    f"'device:backend' with a backend among {sorted(known)}; accepted forms: "
+                    "'gloo' or 'cpu:gloo,cuda:nccl'"
+                )
+        return
     if value.lower() not in known:
         raise ValueError(
             f"'{attribute.name}' must be one of {sorted(known)} (or 'device:backend,...'), "
@@ -65,16 +76,62 @@ def _check_timeout(instance: Any, attribute: attrs.Attribute[Any], value: Any) -
             f"'{attribute.name}' must be a datetime.timedelta, seconds (int/float) or None, "
             f"got {value!r} of type {type(value).__name__}"
         )
-    if value.total_seconds() <= 0:
-        raise ValueError(f"'{attribute.name}' must be positive, got {value}")
+    if value.total_seconds() < MIN_TIMEOUT_SECONDS:
+        # Below a second no rendezvous completes: the run would fail later with a timeout
+        # that looks like a network problem.
+        raise ValueError(
+            f"'{attribute.name}' must be at least {MIN_TIMEOUT_SECONDS} second (a timedelta "
+            f"or seconds), got {value}"
+        )
+
+
+_INIT_METHOD_FORMS = "'env://', 'tcp://host:port' or 'file:///path/to/file'"
 
 
 def _check_init_method(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not isinstance(value, str):
+    if value is None:
+        return
+    if not isinstance(value, str):
         raise TypeError(
-            f"'{attribute.name}' must be None or a URL str such as 'env://' or "
-            f"'tcp://host:port', got {value!r}"
+            f"'{attribute.name}' must be None or a URL str such as {_INIT_METHOD_FORMS}, "
+            f"got {value!r}"
         )
+    parsed = urlparse(value)
+    well_formed = (
+        (parsed.scheme == "env" and value.startswith("env://"))
+        or (parsed.scheme == "file" and bool(parsed.path))
+        or (parsed.scheme == "tcp" and bool(parsed.hostname) and _has_port(parsed))
+    )
+    if not well_formed:
+        # "localhost:1234" parses as scheme "localhost": torch would fail much later.
+        raise ValueError(
+            f"'{attribute.name}' must be None or one of {_INIT_METHOD_FORMS}, got {value!r}"
+        )
+
+
+def _has_port(parsed: Any) -> bool:
+    try:
+        return parsed.port is not None
+    except ValueError:  # a port that is not a number or out of range
+        return False
+
+
+@attrs.define
+class _LiveGroup:
+    """What this process's groups were formed with (per process, like the group itself).
+
+    Attributes:
+        formed: how many default groups kwplug has formed in this process.
+        group: the last one (compared by identity with ``dist.group.WORLD``).
+        timeout: its timeout (torch has no public getter for it).
+    """
+
+    formed: int = 0
+    group: Any = None
+    timeout: timedelta | None = None
+
+
+_live = _LiveGroup()
 
 
 @attrs.define
@@ -102,7 +159,9 @@ class InitProcessGroupKwargs(KwargsHandler):
 
     Raises:
         TypeError: a field has the wrong type.
-        ValueError: an unknown backend or a non-positive timeout.
+        ValueError: an unknown backend (or a malformed ``device:backend`` map), an
+            ``init_method`` not of the form ``env://``, ``tcp://host:port`` or
+            ``file:///path``, or a timeout below :data:`MIN_TIMEOUT_SECONDS`.
     """
 
     backend: str | None = attrs.field(
@@ -167,21 +226,51 @@ class InitProcessGroupKwargs(KwargsHandler):
             return dist.Backend.default_device_backend_map.get(device_type, "gloo")
         return self.backend
 
-    def _restart_safe_store(self, world_size: int, rank: int) -> Any:
-        """torch's own ``env://`` rendezvous, namespaced by torchrun's restart attempt.
+    def _fresh_store(self, world_size: int, rank: int) -> Any:
+        """torch's own ``env://`` rendezvous, namespaced by torchrun's restart attempt and by
+        how many groups this process formed before.
 
-        After ``torchrun --max-restarts`` restarts the workers, the store can still hold the
-        previous attempt's peer addresses under the same keys, and a restarted gloo group may
-        try to connect to a dead peer. A ``PrefixStore`` per ``TORCHELASTIC_RESTART_COUNT``
-        keeps attempts apart; ``None`` (plain ``init_method``) outside restarts.
+        torchrun's agent keeps one store for the whole job, and a destroyed group's keys stay
+        in it: the next group (after ``end_training()``, or after ``torchrun --max-restarts``
+        restarted the workers) reads the same keys, so a rank that arrives first finds the
+        previous group's peer addresses, connects to a closed socket and fails ("Connection
+        reset by peer") -- 4 runs in 5 when a rank arrives 3 s late. A ``PrefixStore`` per
+        (``TORCHELASTIC_RESTART_COUNT``, group number) keeps every group apart; ``None`` (plain
+        ``init_method``) for a first group outside restarts.
         """
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if self.init_method is not None or attempt in (None, "", "0"):
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+        if self.init_method is not None or (attempt == "0" and _live.formed == 0):
             return None
         from torch.distributed import PrefixStore, rendezvous  # type: ignore[attr-defined]
 
         store, _, _ = next(rendezvous("env://", rank, world_size, timeout=self.timeout))
-        return PrefixStore(f"kwplug/attempt_{attempt}", store)
+        return PrefixStore(f"kwplug/attempt_{attempt}/group_{_live.formed}", store)
+
+    @hookimpl
+    def validate_setup(self, device_type: str) -> None:
+        """When a process group already exists, check that it has this handler's settings.
+
+        A handler equal to the default one asks for nothing and is not checked.
+
+        Raises:
+            ValueError: the live group's backend or timeout (when kwplug formed it) differs
+                from this handler's; the message names both values.
+        """
+        if not (dist.is_available() and dist.is_initialized()) or self == type(self)():
+            return
+        differences = []
+        backend = self.resolved_backend(device_type)
+        live_backend = str(dist.get_backend())
+        if backend is not None and ":" not in backend and backend != live_backend:
+            differences.append(f"backend {backend!r} (the live group runs {live_backend!r})")
+        if _live.group is dist.group.WORLD and self.timeout != _live.timeout:
+            differences.append(f"timeout {self.timeout} (the live group has {_live.timeout})")
+        if differences:
+            raise ValueError(
+                f"InitProcessGroupKwargs asks for {' and '.join(differences)}, but the default "
+                "process group already exists and would be kept as it is; call "
+                "end_training() on the earlier Accelerator first, or pass the same settings"
+            )
 
     @hookimpl
     def init_process_group(self, device_type: str, world_size: int, rank: int) -> bool | None:
@@ -196,7 +285,7 @@ class InitProcessGroupKwargs(KwargsHandler):
             return None
         backend = self.resolved_backend(device_type)
         try:
-            store = self._restart_safe_store(world_size, rank)
+            store = self._fresh_store(world_size, rank)
             dist.init_process_group(
                 backend=backend,
                 init_method=None if store is not None else self.init_method,
@@ -215,4 +304,7 @@ class InitProcessGroupKwargs(KwargsHandler):
                 f"rank {rank}/{world_size} could not initialise the {backend} process group "
                 f"({where}, timeout {self.timeout}): {type(exc).__name__}: {first_line}"
             ) from exc
+        _live.formed += 1
+        _live.group = dist.group.WORLD
+        _live.timeout = self.timeout
         return True

@@ -46,7 +46,7 @@ import attrs
 CACHE_DIR_ENV = "KWPLUG_CACHE_DIR"
 NO_CACHE_ENV = "KWPLUG_NO_CACHE"
 #: Bumped whenever the file's layout or the meaning of a field changes.
-FORMAT = 1
+FORMAT = 2  # 2: distributions carry the built-in verdict
 #: Keys with a modification time this close to now (seconds) are not written.
 RACY_SECONDS = 2.0
 #: Keys kept per file (most recent first).
@@ -100,11 +100,14 @@ class CachedDistribution:
         version: its version.
         api_problem: why its requirement on kwplug excludes the kwplug that wrote the entry
             (``None``: compatible, or kwplug's own distribution).
+        builtin: it is the distribution this kwplug was installed from (checked against its
+            files when the cache was filled, not by name).
     """
 
     name: str
     version: str
     api_problem: str | None = None
+    builtin: bool = False
 
 
 @attrs.frozen
@@ -223,8 +226,12 @@ def _entry_point(item: dict[str, Any]) -> CachedEntryPoint:
         raise TypeError(f"malformed cache entry {item!r}")
     if not isinstance(dist["version"], str) or not isinstance(problem, (str, type(None))):
         raise TypeError(f"malformed cache entry {item!r}")
+    if not isinstance(dist["builtin"], bool):  # a cache without the verdict is a miss
+        raise TypeError(f"malformed cache entry {item!r}")
     return CachedEntryPoint(
-        item["name"], item["value"], CachedDistribution(dist["name"], dist["version"], problem)
+        item["name"],
+        item["value"],
+        CachedDistribution(dist["name"], dist["version"], problem, dist["builtin"]),
     )
 
 

@@ -4,11 +4,15 @@ One grammar for every variable: a comma-separated list of names, each an entry-p
 (``ddp``), a distribution name (``kwplug-fsdp``) or ``distribution:entry-point``. These are the
 names ``kwplug plugins`` shows.
 
-- ``KWPLUG_DISABLE_PLUGIN_AUTOLOAD=1``: load only kwplug's own built-ins.
+- ``KWPLUG_DISABLE_PLUGIN_AUTOLOAD=1``: load only kwplug's own built-ins. Any non-empty value
+  other than ``0``/``false`` disables (fail closed, as pytest's variable does).
 - ``KWPLUG_PLUGINS=a,b``: allow-list of third-party plugins (set but empty: none).
 - ``KWPLUG_BLOCK_PLUGINS=c``: deny-list (built-ins can be blocked too).
 - ``KWPLUG_STRICT_PLUGINS=1``: a plugin that fails to load raises :class:`PluginLoadError`
-  instead of being skipped with a warning (for plugin authors' CI).
+  instead of being skipped with a warning (for plugin authors' CI). A value that is neither
+  true nor false is itself a :class:`PluginLoadError`.
+
+``distribution:entry-point`` names exactly one entry point; a bare name may match several.
 
 An unknown name is a :class:`~kwplug.errors.PluginLoadWarning` listing the known names.
 """
@@ -21,7 +25,7 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from kwplug.errors import PluginLoadWarning
+from kwplug.errors import PluginLoadError, PluginLoadWarning
 
 DISABLE_AUTOLOAD_ENV = "KWPLUG_DISABLE_PLUGIN_AUTOLOAD"
 ALLOW_ENV = "KWPLUG_PLUGINS"
@@ -29,10 +33,27 @@ BLOCK_ENV = "KWPLUG_BLOCK_PLUGINS"
 STRICT_ENV = "KWPLUG_STRICT_PLUGINS"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
 
 
-def _flag(environ: Mapping[str, str], name: str) -> bool:
-    return environ.get(name, "").strip().lower() in _TRUE
+def _disabled(environ: Mapping[str, str]) -> bool:
+    # Fail closed, as pytest reads PYTEST_DISABLE_PLUGIN_AUTOLOAD: any value but 0/false
+    # (say "TRUE ", "y", "please") disables third-party plugins.
+    return environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false")
+
+
+def _strict(environ: Mapping[str, str]) -> bool:
+    value = environ.get(STRICT_ENV, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    # A typo must not silently turn strict loading off.
+    raise PluginLoadError(
+        f"{STRICT_ENV}={environ[STRICT_ENV]!r} is not understood; set it to one of "
+        f"{', '.join(sorted(_TRUE))} (strict) or {', '.join(sorted(_FALSE - {''}))} "
+        "(warn and skip), or unset it"
+    )
 
 
 def control_name(name: str) -> str:
@@ -53,8 +74,13 @@ def _names(raw: str | None) -> frozenset[str] | None:
 
 
 def plugin_names(name: str, distribution: str) -> frozenset[str]:
-    """Every name a control may use for a plugin (normalised with :func:`control_name`)."""
-    return frozenset(control_name(n) for n in (name, distribution, f"{distribution}:{name}"))
+    """Every name a control may use for a plugin (normalised with :func:`control_name`).
+
+    An entry-point name that contains ``:`` is reachable only as ``distribution:name``: alone
+    it would read as another distribution's ``distribution:entry-point`` name.
+    """
+    bare = () if ":" in name else (name,)
+    return frozenset(control_name(n) for n in (*bare, distribution, f"{distribution}:{name}"))
 
 
 @attrs.frozen
@@ -75,13 +101,19 @@ class LoadControls:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LoadControls:
-        """Read the controls from ``environ`` (default ``os.environ``)."""
+        """Read the controls from ``environ`` (default ``os.environ``).
+
+        Raises:
+            PluginLoadError: ``KWPLUG_STRICT_PLUGINS`` has a value that is neither true
+                (``1``, ``true``, ``yes``, ``on``) nor false (``0``, ``false``, ``no``,
+                ``off``, empty).
+        """
         env = os.environ if environ is None else environ
         return cls(
-            builtins_only=_flag(env, DISABLE_AUTOLOAD_ENV),
+            builtins_only=_disabled(env),
             allow=_names(env.get(ALLOW_ENV)),
             block=_names(env.get(BLOCK_ENV)) or frozenset(),
-            strict=_flag(env, STRICT_ENV),
+            strict=_strict(env),
         )
 
     def status(self, name: str, distribution: str, builtin: bool) -> str | None:

@@ -18,13 +18,18 @@ never imported.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import attrs
 
@@ -43,20 +48,23 @@ from kwplug.errors import PluginLoadError, PluginLoadWarning
 GROUP = "kwplug.handlers"
 #: A plugin slower than this to import (seconds) is reported with a PluginLoadWarning.
 SLOW_IMPORT_SECONDS = 1.0
+#: A plugin import still running after this many seconds is logged (level WARNING, logger
+#: ``kwplug.discovery``) while it runs, naming the plugin: a hang says which plugin hangs.
+HUNG_IMPORT_SECONDS = 5.0
 
 # The public logger name (documented), kept from when this was the module kwplug.discovery.
 logger = logging.getLogger("kwplug.discovery")
 
 
 def _load(ep: EntryPointLike) -> PluginRecord:
-    dist = ep.dist
-    record = PluginRecord(
-        name=ep.name,
-        value=ep.value,
-        distribution=dist.name if dist is not None else "<unknown>",
-        version=dist.version if dist is not None else "<unknown>",
-    )
+    distribution, version = _dist(ep)
+    record = PluginRecord(ep.name, ep.value, distribution, version, builtin=_builtin(ep))
     start = time.perf_counter()
+    # An import cannot be interrupted from Python, so a hung plugin cannot be skipped; but it
+    # is named while it hangs (from a timer thread) instead of leaving a silent process.
+    watchdog = threading.Timer(HUNG_IMPORT_SECONDS, _report_hung, args=(record,))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         obj = ep.load()
         problem = entry_point_object_problem(obj, ep.value)
@@ -76,11 +84,15 @@ def _load(ep: EntryPointLike) -> PluginRecord:
             finally:
                 if pm.is_registered(plugin):
                     pm.unregister(plugin)
-    except Exception as exc:  # any failure of third-party code must not take kwplug down
+    except KeyboardInterrupt:  # the user's Ctrl-C stops the program, as everywhere else
+        raise
+    except BaseException as exc:  # a plugin's SystemExit must not end the run
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, for tables
         return attrs.evolve(
             record, error=reason, status="failed", load_seconds=time.perf_counter() - start
         )
+    finally:
+        watchdog.cancel()
     return attrs.evolve(record, obj=obj, hooks=hooks, load_seconds=time.perf_counter() - start)
 
 
@@ -89,6 +101,20 @@ def _checker() -> KwplugPluginManager:
     # One manager validates every plugin in turn (registered, checked, unregistered): building
     # one per plugin costs the hook specs' inspection each time.
     return KwplugPluginManager()
+
+
+def _report_hung(record: PluginRecord) -> None:
+    # Runs on the watchdog thread: logging is thread-safe (warnings' filters are not), and
+    # without any logging configuration a WARNING still reaches stderr (logging.lastResort).
+    logger.warning(
+        "kwplug: still importing handler plugin %s (%s) after %.0f s; an import cannot be "
+        "interrupted: if it hangs, block it with KWPLUG_BLOCK_PLUGINS=%s:%s",
+        record.describe(),
+        record.value,
+        HUNG_IMPORT_SECONDS,
+        record.distribution,
+        record.name,
+    )
 
 
 _checker_lock = threading.Lock()
@@ -134,21 +160,28 @@ def _entry_points() -> tuple[EntryPointLike, ...]:
 def _scan() -> list[EntryPointLike]:
     import importlib_metadata  # only on a cache miss: importing it costs milliseconds
 
-    seen: set[tuple[str, str]] = set()
+    # Every distribution, not importlib_metadata.entry_points(): that keeps only the first
+    # distribution of each name on sys.path, so a foreign metadata folder named kwplug placed
+    # first would hide kwplug's own built-ins.
+    seen: set[tuple[str, str, bool]] = set()
     found: list[EntryPointLike] = []
-    for ep in importlib_metadata.entry_points(group=GROUP):
-        key = (ep.dist.name if ep.dist is not None else "", ep.name)
-        if key not in seen:  # the same distribution can be seen twice on sys.path
-            seen.add(key)
-            found.append(ep)
+    for dist in importlib_metadata.distributions():
+        builtin = is_own_distribution(dist)
+        for ep in dist.entry_points.select(group=GROUP):
+            key = (re.sub(r"[-_.]+", "-", dist.name or "").lower(), ep.name, builtin)
+            if key not in seen:  # the same distribution can be seen twice on sys.path
+                seen.add(key)
+                found.append(ep)
     return found
 
 
 def _cached(ep: EntryPointLike) -> CachedEntryPoint:
     distribution, version = _dist(ep)
-    builtin = distribution == OWN_DISTRIBUTION
+    builtin = _builtin(ep)
     problem = None if builtin else _api_problem(ep)
-    return CachedEntryPoint(ep.name, ep.value, CachedDistribution(distribution, version, problem))
+    return CachedEntryPoint(
+        ep.name, ep.value, CachedDistribution(distribution, version, problem, builtin)
+    )
 
 
 def _api_problem(ep: EntryPointLike) -> str | None:
@@ -201,10 +234,49 @@ def _incompatible(ep: EntryPointLike, problem: str) -> PluginRecord:
     distribution, version = _dist(ep)
     record = PluginRecord(
         ep.name, ep.value, distribution, version, error=problem, status="incompatible"
-    )
+    )  # never built-in: built-ins are not checked against the API range
     message = f"kwplug: handler plugin {record.describe()} is not loaded: {problem}"
     _warn(message, record)
     return record
+
+
+# kwplug's own package folder, and the file its distribution metadata must point at.
+_OWN_INIT = os.path.join(_CORE, "__init__.py")
+
+
+def is_own_distribution(dist: Any) -> bool:
+    """Whether ``dist`` (an ``importlib_metadata.Distribution``) is the distribution this very
+    kwplug was installed from.
+
+    The name alone proves nothing: any folder on ``sys.path`` may hold a ``kwplug-*.dist-info``
+    (a stale copy, a malicious one), and built-ins skip the loading controls and the API range.
+    ``dist`` is kwplug's own when it is named ``kwplug`` and either lists kwplug's imported
+    ``__init__.py`` among its installed files, or is an editable install (``direct_url.json``)
+    of the source folder kwplug was imported from.
+    """
+    # PEP 503 normalisation by hand: packaging costs milliseconds at every start-up.
+    if re.sub(r"[-_.]+", "-", dist.name or "").lower() != OWN_DISTRIBUTION:
+        return False
+    own = os.path.realpath(_OWN_INIT)
+    for path in dist.files or ():
+        if path.name == "__init__.py" and os.path.realpath(str(dist.locate_file(path))) == own:
+            return True
+    try:
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    except ValueError:
+        return False
+    url = direct.get("url", "") if isinstance(direct, dict) else ""
+    if not (url.startswith("file://") and direct.get("dir_info", {}).get("editable")):
+        return False
+    source = os.path.realpath(url2pathname(urlparse(url).path))
+    return own.startswith(source + os.sep)
+
+
+def _builtin(ep: EntryPointLike) -> bool:
+    # A cached entry point carries the verdict taken when the cache was filled.
+    if isinstance(ep.dist, CachedDistribution):
+        return ep.dist.builtin
+    return ep.dist is not None and is_own_distribution(ep.dist)
 
 
 def _dist(ep: EntryPointLike) -> tuple[str, str]:
@@ -223,7 +295,7 @@ def _warn_unknown_once(controls: LoadControls, known: tuple[tuple[str, str], ...
     controls.warn_unknown(known)
 
 
-def discover(*, refresh: bool = False) -> tuple[PluginRecord, ...]:
+def discover(*, refresh: bool = False, strict: bool | None = None) -> tuple[PluginRecord, ...]:
     """Return the records of the ``kwplug.handlers`` entry points, in precedence order.
 
     Third-party plugins come first (sorted by distribution name, then entry-point name), then
@@ -236,16 +308,25 @@ def discover(*, refresh: bool = False) -> tuple[PluginRecord, ...]:
         refresh: forget the per-process cache and read the entry points again (after a
             ``pip install`` in the same process); the on-disk cache is used only if nothing
             it depends on changed (see :mod:`kwplug._plugins._cache`).
+        strict: raise when a plugin failed to load; ``None`` (default): as
+            ``KWPLUG_STRICT_PLUGINS`` says. ``kwplug plugins`` passes ``False`` to list the
+            failure instead.
 
     Raises:
-        PluginLoadError: a plugin failed to load and ``KWPLUG_STRICT_PLUGINS=1``.
+        PluginLoadError: a plugin failed to load and ``KWPLUG_STRICT_PLUGINS=1`` (or
+            ``strict=True``), or ``KWPLUG_STRICT_PLUGINS`` has a value that is not a boolean.
     """
     if refresh:
         _entry_points.cache_clear()
         _load_cached.cache_clear()
         _incompatible.cache_clear()
         _discover.cache_clear()
-    return _discover(LoadControls.from_env())
+    controls = LoadControls.from_env()
+    records = _discover(controls)
+    error = strict_error(records) if (controls.strict if strict is None else strict) else None
+    if error is not None:
+        raise error
+    return records
 
 
 @functools.cache
@@ -257,7 +338,7 @@ def _discover(controls: LoadControls) -> tuple[PluginRecord, ...]:
         if _visible is not None and not _visible(ep):
             continue
         distribution, version = _dist(ep)
-        builtin = distribution == OWN_DISTRIBUTION
+        builtin = _builtin(ep)
         status = controls.status(ep.name, distribution, builtin)
         problem = None if builtin or status is not None else _api_problem(ep)
         if problem is not None:  # never imported: an incompatible plugin is not half-loaded
@@ -265,16 +346,24 @@ def _discover(controls: LoadControls) -> tuple[PluginRecord, ...]:
         elif status is None:
             records.append(_load_cached(ep))
         else:
-            records.append(PluginRecord(ep.name, ep.value, distribution, version, status=status))
+            records.append(
+                PluginRecord(
+                    ep.name, ep.value, distribution, version, status=status, builtin=builtin
+                )
+            )
     if controls.allow or controls.block:
         _warn_unknown_once(controls, tuple(sorted((r.name, r.distribution) for r in records)))
-    if controls.strict:
-        failed = [r for r in records if r.status in ("failed", "incompatible")]
-        if failed:
-            _discover.cache_clear()  # raise again next time
-            raise PluginLoadError(
-                "KWPLUG_STRICT_PLUGINS is set and handler plugin(s) failed to load: "
-                + "; ".join(f"{r.describe()}: {r.error}" for r in failed),
-                plugins=tuple((r.name, r.distribution) for r in failed),
-            )
     return tuple(sorted(records, key=_order_key))
+
+
+def strict_error(records: tuple[PluginRecord, ...]) -> PluginLoadError | None:
+    """The error ``KWPLUG_STRICT_PLUGINS`` raises for ``records``' failed plugins, or ``None``
+    when every plugin loaded (or was blocked or disabled)."""
+    failed = [r for r in records if r.status in ("failed", "incompatible")]
+    if not failed:
+        return None
+    return PluginLoadError(
+        "KWPLUG_STRICT_PLUGINS is set and handler plugin(s) failed to load: "
+        + "; ".join(f"{r.describe()}: {r.error}" for r in failed),
+        plugins=tuple((r.name, r.distribution) for r in failed),
+    )

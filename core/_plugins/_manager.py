@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
+import attrs
 import pluggy
 
 from kwplug._plugins._calls import (
@@ -41,6 +42,28 @@ trace_logger = logging.getLogger("kwplug.trace")
 logger = logging.getLogger(__name__)
 
 _NO_OPTS: Any = object()
+
+
+def revalidate(handler: Any) -> None:
+    """Run ``handler``'s field validators again, if it is a :class:`~kwplug.KwargsHandler`.
+
+    attrs validates at construction and on assignment, not when a mutable value is changed in
+    place (``h.schedule_option["active"] = -5``); every hook call checks again, so that such a
+    value never reaches torch.
+
+    Raises:
+        TypeError, ValueError: a field no longer passes its validator; the message names the
+            handler class and says it was changed after construction.
+    """
+    if not isinstance(handler, KwargsHandler) or not attrs.has(type(handler)):
+        return
+    try:
+        attrs.validate(handler)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(
+            f"{type(handler).__qualname__} was changed after construction and is no longer "
+            f"valid: {exc}"
+        ) from exc
 
 
 class KwplugPluginManager(pluggy.PluginManager):
@@ -210,6 +233,7 @@ class KwplugPluginManager(pluggy.PluginManager):
         if handler is None:
             return self.call_first(hook, **kwargs)
         require_handler_instance(handler, f"the {hook} handler")
+        revalidate(handler)
         return self._first(hook, self._methods_of(handler, hook), kwargs)
 
     def call_each(
@@ -255,6 +279,8 @@ class KwplugPluginManager(pluggy.PluginManager):
         caller = getattr(self.hook, hook)
         impls = self.hook_impls(hook)
         if has_wrappers(impls):  # a wrapper may change the answer: no provenance to report
+            for impl in impls:
+                revalidate(impl.plugin)
             result = caller.call_extra(list(extra), dict(kwargs)) if extra else caller(**kwargs)
             return Answer(hook, result, None, ())
         # Per-call handlers answer before every registered plugin: pluggy calls the last first.
@@ -268,6 +294,8 @@ class KwplugPluginManager(pluggy.PluginManager):
         return record(hook, impls, self.describe, self.is_third_party)
 
     def _run(self, recording: Recording, kwargs: Mapping[str, Any], *, firstresult: bool) -> None:
+        for impl in recording.impls:
+            revalidate(impl.plugin)  # None for a per-call handler: call_with checked it
         self._recordings.append(recording)  # for the trace: who answered this call
         try:
             call_recorded(self, recording, kwargs, firstresult)

@@ -30,6 +30,9 @@ class PluginRecord:
             ``KWPLUG_PLUGINS``).
         hooks: names of the hooks the plugin implements (empty when not loaded).
         load_seconds: wall time spent importing and validating it, in seconds.
+        builtin: declared by the distribution this very kwplug was installed from (not merely
+            by some metadata folder named ``kwplug``; see
+            :func:`kwplug._plugins._discovery.is_own_distribution`).
     """
 
     name: str
@@ -42,15 +45,12 @@ class PluginRecord:
     hooks: tuple[str, ...] = ()
     load_seconds: float = 0.0
 
+    builtin: bool = False
+
     @property
     def source(self) -> str:
         """``"built-in"`` or ``"third-party"``."""
         return "built-in" if self.builtin else "third-party"
-
-    @property
-    def builtin(self) -> bool:
-        """True for kwplug's own built-in handlers."""
-        return self.distribution == OWN_DISTRIBUTION
 
     @property
     def loaded(self) -> bool:

@@ -5,7 +5,8 @@
   ``@attrs.define``, or a plugin object that is not a class (e.g. a module).
 - ``device_types``, when declared, is a non-empty collection of device type strings.
 - Hook implementations pass pluggy's validation against :class:`~kwplug.hookspecs.HandlerSpec`
-  (names and argument names), and none is marked ``tryfirst`` (kwplug decides the order).
+  (names and argument names), none declares an argument with a default (pluggy would never
+  pass it), and none is marked ``tryfirst`` (kwplug decides the order).
 - ``kwargs_handlers`` is a sequence of handler *instances*, at most one per class.
 
 Each ``*_problem`` function returns why the rule is broken, as a sentence, or ``None``; the
@@ -67,10 +68,43 @@ def validate_hookimpls(pm: pluggy.PluginManager, plugin: Any, name: str) -> None
 
     Raises:
         pluggy.PluginValidationError: an implementation names an unknown hook (a misspelt
-            name would otherwise be ignored silently) or an argument the spec lacks.
+            name would otherwise be ignored silently), an argument the spec lacks, or an
+            argument with a default value (see :func:`defaulted_argument_problem`); the
+            plugin is unregistered again.
     """
     pm.register(plugin, name=name)
-    pm.check_pending()
+    try:
+        pm.check_pending()
+        problem = defaulted_argument_problem(pm, plugin)
+        if problem is not None:
+            raise pluggy.PluginValidationError(plugin, problem)
+    except pluggy.PluginValidationError:
+        pm.unregister(plugin)  # a refused plugin must not stay half-registered
+        raise
+
+
+def defaulted_argument_problem(pm: pluggy.PluginManager, plugin: Any) -> str | None:
+    """Why registered ``plugin`` may not be loaded as is: a hook implementation declares an
+    argument with a default value, or ``None``.
+
+    pluggy passes a hook implementation only its arguments *without* defaults, so such an
+    argument would silently keep its default (``mixed_precision="no"`` would make a bf16 run
+    compute in fp32); kwplug refuses the implementation instead.
+    """
+    found = sorted(
+        f"{impl.function.__name__}({argument}=...)"
+        for caller in pm.get_hookcallers(plugin) or ()
+        for impl in caller.get_hookimpls()
+        if impl.plugin is plugin
+        for argument in impl.kwargnames
+    )
+    if not found:
+        return None
+    return (
+        f"hook implementation argument(s) with a default value: {', '.join(found)}; pluggy "
+        "never passes an argument that has a default, so it would always keep its default. "
+        "Remove the default (the hook passes every argument the spec declares)"
+    )
 
 
 def tryfirst_problem(pm: pluggy.PluginManager, plugin: Any) -> str | None:

@@ -14,6 +14,7 @@ from kwplug.accelerator._accumulation import GradientState
 from kwplug.accelerator._options import _Options
 from kwplug.accelerator._setup import _Setup
 from kwplug.data import ActiveLoaders, PreparedDataLoader, prepare_dataloader
+from kwplug.errors import PluginHookError
 from kwplug.optimizer import AcceleratedOptimizer, ScalerUpdates
 from kwplug.params import ParameterRemap
 from kwplug.scheduler import AcceleratedScheduler
@@ -33,6 +34,26 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def _default_config(value: Any) -> Any:
     return DataLoaderConfiguration() if value is None else value
+
+
+def _require_synchronised(setup: _Setup, model: torch.nn.Module) -> None:
+    # Without a wrapper nothing all-reduces the gradients: every rank would train its own
+    # model and the run would end "successfully" with diverged weights.
+    world_size = setup.process.world_size
+    if world_size <= 1 or not any(p.requires_grad for p in model.parameters()):
+        return
+    implementers = [
+        setup.plugins.describe(i.plugin_name) for i in setup.plugins.hook_impls("wrap_model")
+    ]
+    raise PluginHookError(
+        f"{world_size} processes are running but no plugin wrapped the model "
+        f"{type(model).__qualname__} (hook 'wrap_model' answered None; implemented by: "
+        f"{', '.join(implementers) or 'no loaded plugin'}), so its gradients would never be "
+        "synchronised and each rank would train its own copy. Load the built-in 'ddp' plugin "
+        "(check KWPLUG_BLOCK_PLUGINS, KWPLUG_PLUGINS; `kwplug plugins` lists them) or pass a "
+        "handler that implements wrap_model",
+        hook="wrap_model",
+    )
 
 
 @attrs.define(eq=False)
@@ -111,6 +132,8 @@ class _Prepared:
 
         Raises:
             TypeError: the answering plugin returned something that is not a module.
+            PluginHookError: several processes run and no plugin wrapped a model that has
+                trainable parameters (its gradients would never be synchronised).
         """
         setup = self.setup
         before = dict(model.named_parameters())
@@ -130,6 +153,8 @@ class _Prepared:
                 f"hook 'wrap_model' of {setup.plugins.describe(plugin)} returned "
                 f"{type(wrapped).__name__}, not a torch.nn.Module"
             )
+        if wrapped is None:
+            _require_synchronised(setup, model)
         result = wrapped if wrapped is not None else model
         if self.remap.learn(before, dict(unwrap_model(result).named_parameters())):
             for optimizer in self.optimizers:

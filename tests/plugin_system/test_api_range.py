@@ -33,7 +33,8 @@ def test_incompatible_plugin_is_reported_and_never_imported(
     assert record.status == "incompatible"
     assert bomb_module not in sys.modules
     row = next(r for r in plugin_rows(kwplug_plugins.records()) if r["name"] == "old")
-    assert row["status"] == "incompatible: requires kwplug<0.1, but kwplug 0.1.0 is installed"
+    assert row["status"] == "incompatible"
+    assert row["error"] == "requires kwplug<0.1, but kwplug 0.1.0 is installed"
     kwplug.Accelerator()  # everything else works
 
 

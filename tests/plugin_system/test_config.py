@@ -74,7 +74,7 @@ def test_mapping_and_overrides() -> None:
         ),
         (
             "[handlers.init_process_group]\ntimeout = -3",
-            r"\[handlers.init_process_group\]: 'timeout' must be positive",
+            r"\[handlers.init_process_group\]: 'timeout' must be at least 1 second",
         ),
         ("handlers = 3", r"'handlers' must be a table"),
         ("[handlers]\ngrad_scaler = 3", r"\[handlers.grad_scaler\] must be a table"),

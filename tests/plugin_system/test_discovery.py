@@ -15,7 +15,7 @@ def test_builtins_are_discovered_with_their_hooks() -> None:
         "ddp": ("no_sync", "validate_setup", "wrap_model"),
         "ddp_comm_hooks": ("comm_hooks",),
         "grad_scaler": ("make_scaler",),
-        "init_process_group": ("init_process_group",),
+        "init_process_group": ("init_process_group", "validate_setup"),
         "profile": ("make_profiler",),
         "trackers": ("trackers",),
     }
@@ -29,7 +29,11 @@ def test_order_does_not_depend_on_entry_point_order(monkeypatch: pytest.MonkeyPa
         ep = importlib_metadata.EntryPoint(
             name, "kwplug.plugins.autocast:AutocastKwargs", discovery.GROUP
         )
-        meta = type("Dist", (), {"name": dist, "version": "1.0"})()
+        meta = (  # built-in means kwplug's own installed distribution, not just the name
+            importlib_metadata.distribution("kwplug")
+            if dist == "kwplug"
+            else type("Dist", (), {"name": dist, "version": "1.0"})()
+        )
         return ep._for(meta)  # type: ignore[attr-defined, no-any-return]
 
     eps = [

@@ -1,0 +1,124 @@
+"""Issue 12, item 14: configuration files and handler values that could not be trusted --
+deep nesting, non-UTF-8 bytes, absurd values, values changed in place after construction,
+malformed ``init_method`` and sub-second timeouts -- are refused with the place named."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+import kwplug
+from kwplug.config import MAX_DEPTH, ConfigError, load_config
+from kwplug.testing import PluginSandbox
+
+
+def _load(tmp_path: Path, content: str | bytes) -> ConfigError:
+    path = tmp_path / "kwplug.toml"
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value) and info.value.file == str(path)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("content", "key", "words"),
+    [
+        (
+            "[handlers.ddp]\nbucket_cap_mb = " + "[" * 5000 + "]" * 5000 + "\n",
+            "handlers.ddp.bucket_cap_mb",
+            "nested too deeply",
+        ),
+        (
+            "[handlers.profile]\nschedule_option = " + "{a = " * 3000 + "1" + "}" * 3000 + "\n",
+            "handlers.profile.schedule_option",
+            "nested too deeply",
+        ),
+        (
+            "[handlers.ddp]\nbucket_cap_mb = 25 # caf\xe9\n".encode("latin-1"),
+            "handlers.ddp.bucket_cap_mb",
+            "byte 0xe9 is not UTF-8",
+        ),
+        ("[handlers.ddp]\nbucket_cap_mb = 1e300\n", "handlers.ddp.bucket_cap_mb", "<= 1e+06"),
+        (
+            '[handlers.init_process_group]\nbackend = "::::"\n',
+            "handlers.init_process_group.backend",
+            "'cpu:gloo,cuda:nccl'",
+        ),
+        (
+            '[handlers.init_process_group]\ninit_method = "localhost:1234"\n',
+            "handlers.init_process_group.init_method",
+            "'tcp://host:port'",
+        ),
+        (
+            "[handlers.init_process_group]\ntimeout = 0.001\n",
+            "handlers.init_process_group.timeout",
+            "at least 1 second",
+        ),
+    ],
+    ids=["deep-array", "deep-table", "latin-1", "bucket-1e300", "backend", "init-method", "1ms"],
+)
+def test_untrustworthy_config_names_file_table_and_key(
+    tmp_path: Path, kwplug_plugins: PluginSandbox, content: str | bytes, key: str, words: str
+) -> None:
+    error = _load(tmp_path, content)
+    assert error.key == key
+    assert words in str(error)
+    table = key.rsplit(".", 1)[0].removeprefix("handlers.")
+    assert table in str(error)
+
+
+def test_moderately_deep_mapping_is_refused_before_the_handler(
+    kwplug_plugins: PluginSandbox,
+) -> None:
+    value: object = 1
+    for _ in range(MAX_DEPTH + 1):
+        value = {"a": value}
+    with pytest.raises(ConfigError, match="nested more than 16 levels") as info:
+        load_config({"handlers": {"profile": {"schedule_option": value}}})
+    assert info.value.key is not None
+    assert info.value.key.startswith("handlers.profile.schedule_option")
+
+
+@pytest.mark.parametrize("backend", ["cpu:gloo,cuda:nccl", "cuda:nccl"])
+def test_backend_maps_still_accepted(backend: str) -> None:
+    assert kwplug.InitProcessGroupKwargs(backend=backend).backend == backend
+
+
+@pytest.mark.parametrize("method", ["env://", "tcp://127.0.0.1:29500", "file:///tmp/rdzv"])
+def test_init_method_accepted_forms(method: str) -> None:
+    assert kwplug.InitProcessGroupKwargs(init_method=method).init_method == method
+
+
+@pytest.mark.parametrize("method", ["localhost:1234", "tcp://host", "tcp://:80", "env:/", ""])
+def test_init_method_malformed(method: str) -> None:
+    with pytest.raises(ValueError, match="'env://', 'tcp://host:port' or 'file:///path"):
+        kwplug.InitProcessGroupKwargs(init_method=method)
+
+
+@pytest.mark.parametrize("timeout", [0.5, timedelta(milliseconds=999)])
+def test_sub_second_timeout_refused(timeout: float | timedelta) -> None:
+    with pytest.raises(ValueError, match="at least 1 second"):
+        kwplug.InitProcessGroupKwargs(timeout=timeout)
+
+
+def test_schedule_mutated_in_place_is_caught_before_torch() -> None:
+    handler = kwplug.ProfileKwargs(schedule_option={"active": 2})
+    accelerator = kwplug.Accelerator(cpu=True)
+    handler.schedule_option["active"] = -5  # type: ignore[index]
+    with (
+        pytest.raises(ValueError, match=r"ProfileKwargs was changed after construction.*active"),
+        accelerator.profile(handler),
+    ):
+        pass
+
+
+def test_registered_handler_mutated_after_setup_is_caught() -> None:
+    handler = kwplug.DistributedDataParallelKwargs()
+    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
+    object.__setattr__(handler, "bucket_cap_mb", 1e300)  # what an in-place change amounts to
+    with pytest.raises(ValueError, match="DistributedDataParallelKwargs was changed"):
+        accelerator.prepare(torch.nn.Linear(2, 2))
