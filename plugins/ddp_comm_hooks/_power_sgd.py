@@ -178,14 +178,15 @@ def batched_power_sgd_hook(
     state.total_numel_before_compression += numel
     state.total_numel_after_compression += 2 * side * rank
 
-    flat = buffer.new_zeros(side * side)
-    flat[:numel].copy_(buffer)
-    target: torch.Tensor | None = None
-    if state.use_error_feedback:
-        error = state.error_dict.get(key)
-        if error is not None and error.shape == flat.shape and error.dtype == flat.dtype:
-            flat.add_(error)
-        target = flat.clone()  # what this rank wants to send; the residual is kept for later
+    # With error feedback, last step's error tensor (padding included) becomes this step's
+    # matrix, then this step's error, in place: no bucket-sized allocation per step.
+    error = state.error_dict.get(key) if state.use_error_feedback else None
+    if error is not None and error.shape == (side * side,) and error.dtype == buffer.dtype:
+        flat = error
+        flat[:numel].add_(buffer)
+    else:
+        flat = buffer.new_zeros(side * side)
+        flat[:numel].copy_(buffer)
     matrix = flat.view(side, side)
 
     p_mat = state.p_memory_dict.get(key) if state.warm_start else None
@@ -207,13 +208,21 @@ def batched_power_sgd_hook(
 
     def decompress(fut: torch.futures.Future[Any]) -> torch.Tensor:
         q_mean = future_tensor(fut).div_(group_size)
-        torch.matmul(p_mat, q_mean.t(), out=matrix)
-        if target is not None:
-            state.error_dict[key] = target.sub_(flat)
+        # The bucket is P Q^T cut to numel: the rows that lie wholly inside it are computed
+        # straight into the buffer, the last one or two (cut, then padding) on their own.
+        whole = numel // side
+        out = buffer.view(-1)
+        torch.matmul(p_mat[:whole], q_mean.t(), out=out[: whole * side].view(whole, side))
+        tail = torch.matmul(p_mat[whole:], q_mean.t()).view(-1)
+        out[whole * side :].copy_(tail[: numel - whole * side])
+        if state.use_error_feedback:
+            # The residual: what this rank wanted to send minus what the bucket became.
+            flat[:numel].sub_(out)
+            flat[numel:].sub_(tail[numel - whole * side :])
+            state.error_dict[key] = flat
         if state.warm_start:
             state.p_memory_dict[key] = p_mat
             state.q_memory_dict[key] = q_mean
-        buffer.copy_(flat[:numel])
         _count_step(state, bucket)
         return buffer
 
