@@ -340,7 +340,9 @@ def topk_hook(state: TopKState, bucket: GradBucket) -> torch.futures.Future[torc
     corrected, residual = _corrected(buffer, index, _layout(bucket), state)
     k = topk_count(numel, state.ratio)
     device = buffer.device
-    indices = topk_select(corrected, k, _cached(state, index, "work", (numel,), torch.float32, device))
+    indices = topk_select(
+        corrected, k, _cached(state, index, "work", (numel,), torch.float32, device)
+    )
     # One int32 payload: the float32 values' bits, then the indices.
     payload = _cached(state, index, "payload", (2 * k,), torch.int32, device)
     gathered = _cached(state, index, "gathered", (world_size * 2 * k,), torch.int32, device)
