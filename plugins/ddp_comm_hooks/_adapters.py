@@ -8,6 +8,10 @@ import torch
 from kwplug.comm_hooks import HookFn
 from kwplug.plugins.ddp_comm_hooks._common import GradBucket, describe, future_tensor
 
+#: Attribute of a hook function that issues its collectives in the same order on every rank
+#: without waiting (e.g. on separate process groups), so :func:`serialized_hook` leaves it as is.
+ORDERS_COLLECTIVES = "_kwplug_orders_collectives"
+
 
 def serialized_hook(hook: HookFn) -> HookFn:
     """Run ``hook`` to completion inside the call and return an already completed future.
@@ -21,12 +25,18 @@ def serialized_hook(hook: HookFn) -> HookFn:
     the overlap of this hook's communication with the rest of the backward pass; kwplug applies
     it on gloo only (NCCL orders collectives on CUDA streams).
 
+    A hook that keeps its collectives in order itself (kwplug's
+    :func:`~kwplug.plugins.ddp_comm_hooks.batched_power_sgd_hook`, marked by a true
+    :data:`ORDERS_COLLECTIVES` attribute) is returned unchanged.
+
     Args:
         hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``.
 
     Returns:
-        A hook with the same contract whose future is already done.
+        A hook with the same contract whose future is already done, or ``hook``.
     """
+    if getattr(hook, ORDERS_COLLECTIVES, False):
+        return hook
 
     def serial_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         future = hook(state, bucket)

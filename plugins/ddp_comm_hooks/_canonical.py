@@ -223,8 +223,8 @@ def canonical_bucket_hook(
     Cost per step and bucket: when the bucket's gradients already lie in canonical order (DDP's
     initial layout) nothing is copied; otherwise (after DDP's rebuild, which typically reverses
     the order) one gather copy of the bucket into a new canonical buffer and one scatter copy
-    back, i.e. about two extra reads and writes of the bucket's memory and one bucket-sized
-    temporary, plus some Python work per parameter.
+    back, i.e. about two extra reads and writes of the bucket's memory, plus some Python work
+    per parameter; the canonical buffer is allocated once per layout and reused.
 
     Args:
         hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``.
@@ -243,6 +243,10 @@ def canonical_bucket_hook(
         raise TypeError(f"canonical_bucket_hook wraps a callable hook(state, bucket), got {hook!r}")
     order = {id(p): i for i, p in enumerate(param_order)}
     plans: dict[tuple[Any, ...], _Plan] = {}
+    # Per (plan, group): the canonical buffer a copied group is gathered into, reused every
+    # step (a fresh bucket-sized tensor per step costs page faults). DDP waits for every
+    # bucket's future before the next step, so no step reuses one still in use.
+    scratch: dict[tuple[int, int], torch.Tensor] = {}
 
     def canonical_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
@@ -253,6 +257,7 @@ def canonical_bucket_hook(
         if plan is None:
             if len(plans) >= 64:
                 plans.clear()
+                scratch.clear()
             plan = plans[signature] = _make_plan(bucket, order, known)
         last = bucket.is_last()
         views: list[torch.Tensor] = []
@@ -261,11 +266,15 @@ def canonical_bucket_hook(
             if group.start is not None:
                 view = buffer.narrow(0, group.start, group.numel)
             else:
+                out = scratch.get((id(plan), n))
+                if out is None or out.dtype != buffer.dtype or out.device != buffer.device:
+                    out = scratch[id(plan), n] = buffer.new_empty(group.numel)
                 view = torch.cat(
                     [
                         buffer.narrow(0, offset, numel)
                         for offset, numel in zip(group.offsets, group.numels, strict=True)
-                    ]
+                    ],
+                    out=out,
                 )
             proxy = CanonicalBucket(
                 view,

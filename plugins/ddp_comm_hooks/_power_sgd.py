@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
+from kwplug.plugins.ddp_comm_hooks._adapters import ORDERS_COLLECTIVES
 from kwplug.plugins.ddp_comm_hooks._common import (
     GradBucket,
     all_reduce_async,
@@ -79,13 +80,41 @@ def _count_step(state: PowerSGDState, bucket: GradBucket) -> None:
     cast(Any, state).maybe_increase_iter(bucket)
 
 
+class _OrderedPowerSGDState(PowerSGDState):
+    """``PowerSGDState`` plus a second gloo group on which :func:`batched_power_sgd_hook`
+    all-reduces ``Q``, so that its collectives keep one order on every rank without waiting
+    inside DDP's autograd callback (see :func:`make_power_sgd_state`). Saved and restored
+    exactly as ``PowerSGDState`` (the groups and the ordering future are never saved)."""
+
+    __slots__ = ("q_issued", "q_process_group")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # PowerSGDState.__getstate__ reads self.__slots__, which here names only ours.
+        return {s: getattr(self, s) for s in PowerSGDState.__slots__ if s != "process_group"}
+
+
+def _q_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    # A second gloo group for the Q all-reduces of batched PowerSGD, when the hook would
+    # otherwise be serialised (gloo, several ranks). Creating a group is collective: this runs
+    # in make_power_sgd_state, which kwplug calls in wrap_model on every rank, in step.
+    if not dist.is_initialized() or dist.get_world_size(process_group) < 2:
+        return None
+    if dist.get_backend(process_group) != "gloo":
+        return None
+    ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
 def make_power_sgd_state(
     process_group: dist.ProcessGroup | None, options: Mapping[str, Any]
 ) -> PowerSGDState:
     """Build the state of the ``"power_sgd"`` and ``"batched_power_sgd"`` hooks.
 
-    Returns ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState(
-    process_group=process_group, **options)``. Its defaults apply to omitted options:
+    Returns a ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState(
+    process_group=process_group, **options)`` (a subclass that, on gloo with several ranks,
+    also holds a second gloo group for :func:`batched_power_sgd_hook`'s ``Q`` all-reduces;
+    created here, so every rank must call this at the same point, as ``wrap_model`` does).
+    Its defaults apply to omitted options:
     ``matrix_approximation_rank=1``, ``start_powerSGD_iter=1000`` (steps of plain all-reduce
     before compression starts; must be > 1 with error feedback or warm start),
     ``min_compression_rate=2``, ``use_error_feedback=True``, ``warm_start=True``,
@@ -103,7 +132,10 @@ def make_power_sgd_state(
             ``start_powerSGD_iter <= 1`` with error feedback).
     """
     check_power_sgd_options(options)
-    return PowerSGDState(process_group=process_group, **dict(options))
+    state = _OrderedPowerSGDState(process_group=process_group, **dict(options))
+    state.q_process_group = _q_group(process_group)
+    state.q_issued = None
+    return state
 
 
 def check_power_sgd_options(options: Mapping[str, Any]) -> None:
@@ -199,14 +231,15 @@ def batched_power_sgd_hook(
     state.total_numel_before_compression += numel
     state.total_numel_after_compression += 2 * side * rank
 
-    flat = buffer.new_zeros(side * side)
-    flat[:numel].copy_(buffer)
-    target: torch.Tensor | None = None
-    if state.use_error_feedback:
-        error = state.error_dict.get(key)
-        if error is not None and error.shape == flat.shape and error.dtype == flat.dtype:
-            flat.add_(error)
-        target = flat.clone()  # what this rank wants to send; the residual is kept for later
+    # With error feedback, last step's error tensor (padding included) becomes this step's
+    # matrix, then this step's error, in place: no bucket-sized allocation per step.
+    error = state.error_dict.get(key) if state.use_error_feedback else None
+    if error is not None and error.shape == (side * side,) and error.dtype == buffer.dtype:
+        flat = error
+        flat[:numel].add_(buffer)
+    else:
+        flat = buffer.new_zeros(side * side)
+        flat[:numel].copy_(buffer)
     matrix = flat.view(side, side)
 
     p_mat = state.p_memory_dict.get(key) if state.warm_start else None
@@ -218,27 +251,67 @@ def batched_power_sgd_hook(
     _orthonormalize_columns(q_mat.unsqueeze(0), epsilon)
     torch.matmul(matrix, q_mat, out=p_mat)
     p_future = all_reduce_async(p_mat, state.process_group)
+    q_group = getattr(state, "q_process_group", None)
+    # Q all-reduces go over their own group, each issued after the previous bucket's (a
+    # chain of futures set in bucket order on this thread), so their order is the same on
+    # every rank while P all-reduces keep the hook's order on the main group.
+    previous: torch.futures.Future[Any] | None = getattr(state, "q_issued", None)
+    issued: torch.futures.Future[None] = torch.futures.Future()
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    if q_group is not None:
+        state.q_issued = issued  # type: ignore[attr-defined]
 
-    def reduce_q(fut: torch.futures.Future[Any]) -> torch.Tensor:
-        p_sum = future_tensor(fut)  # p_mat itself, summed over ranks
-        _orthonormalize_columns(p_sum.unsqueeze(0), epsilon)
-        torch.matmul(matrix.t(), p_sum, out=q_mat)
-        all_reduce_async(q_mat, state.process_group).wait()
-        return q_mat
+    def decompress(fut: torch.futures.Future[Any]) -> None:
+        try:
+            q_mean = future_tensor(fut).div_(group_size)
+            # The bucket is P Q^T cut to numel: the rows wholly inside it are computed straight
+            # into the buffer, the last one or two (cut, then padding) on their own.
+            whole = numel // side
+            out = buffer.view(-1)
+            torch.matmul(p_mat[:whole], q_mean.t(), out=out[: whole * side].view(whole, side))
+            tail = torch.matmul(p_mat[whole:], q_mean.t()).view(-1)
+            out[whole * side :].copy_(tail[: numel - whole * side])
+            if state.use_error_feedback:
+                # The residual: what this rank wanted to send minus what the bucket became.
+                flat[:numel].sub_(out)
+                flat[numel:].sub_(tail[numel - whole * side :])
+                state.error_dict[key] = flat
+            if state.warm_start:
+                state.p_memory_dict[key] = p_mat
+                state.q_memory_dict[key] = q_mean
+            _count_step(state, bucket)
+        except BaseException as error:  # handed to DDP through the future
+            result.set_exception(error)
+            return
+        result.set_result(buffer)
 
-    def decompress(fut: torch.futures.Future[Any]) -> torch.Tensor:
-        q_mean = future_tensor(fut).div_(group_size)
-        torch.matmul(p_mat, q_mean.t(), out=matrix)
-        if target is not None:
-            state.error_dict[key] = target.sub_(flat)
-        if state.warm_start:
-            state.p_memory_dict[key] = p_mat
-            state.q_memory_dict[key] = q_mean
-        buffer.copy_(flat[:numel])
-        _count_step(state, bucket)
-        return buffer
+    def reduce_q(fut: torch.futures.Future[Any]) -> None:
+        try:
+            p_sum = future_tensor(fut)  # p_mat itself, summed over ranks
+            _orthonormalize_columns(p_sum.unsqueeze(0), epsilon)
+            torch.matmul(matrix.t(), p_sum, out=q_mat)
+            # Looked up, not captured: a callback never holds the last reference to a group.
+            group = getattr(state, "q_process_group", None)
+            q_future = all_reduce_async(q_mat, state.process_group if group is None else group)
+        except BaseException as error:  # handed to DDP through the future
+            issued.set_result(None)
+            result.set_exception(error)
+            return
+        issued.set_result(None)
+        q_future.then(decompress)
 
-    return p_future.then(reduce_q).then(decompress)
+    if previous is None or previous.done():
+        p_future.then(reduce_q)
+    else:
+        # Both done: then P's result is ready and the previous Q is issued.
+        torch.futures.collect_all([previous, p_future]).then(lambda both: reduce_q(both.value()[1]))
+    if q_group is None:
+        result.wait()  # one group: finish before the next bucket's collectives (gloo order)
+    return result
+
+
+# Orders its collectives itself (a second group for Q, or waiting when there is none).
+setattr(batched_power_sgd_hook, ORDERS_COLLECTIVES, True)
 
 
 def power_sgd_state_buckets(state: Any) -> list[Any]:

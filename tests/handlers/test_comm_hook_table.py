@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 import pytest
+import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from kwplug.plugins import ddp_comm_hooks as hooks
@@ -37,16 +38,8 @@ def test_records_follow_the_rows() -> None:
         hooks.builtin_comm_hooks()["power_sgd"].check({"rank": 1})
 
 
-@pytest.mark.parametrize(
-    ("ours", "torch_name"),
-    [
-        (hooks.mean_allreduce_hook, "allreduce_hook"),
-        (hooks.fp16_compress_allreduce_hook, "fp16_compress_hook"),
-        (hooks.bf16_compress_allreduce_hook, "bf16_compress_hook"),
-    ],
-)
-def test_all_reduce_hooks_delegate_to_torch_under_kwplug_names(
-    ours: Any, torch_name: str, monkeypatch: pytest.MonkeyPatch
+def test_mean_allreduce_hook_delegates_to_torch_under_a_kwplug_name(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls: list[tuple[Any, Any]] = []
 
@@ -54,9 +47,36 @@ def test_all_reduce_hooks_delegate_to_torch_under_kwplug_names(
         calls.append((state, bucket))
         return "torch's future"
 
-    monkeypatch.setattr(default_hooks, torch_name, fake)
-    assert ours("group", "bucket") == "torch's future"
+    monkeypatch.setattr(default_hooks, "allreduce_hook", fake)
+    assert hooks.mean_allreduce_hook("group", "bucket") == "torch's future"  # type: ignore[arg-type]
     assert calls == [("group", "bucket")]
+
+
+class _Bucket:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def buffer(self) -> torch.Tensor:
+        return self._tensor
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize(
+    ("ours", "torch_name"),
+    [
+        (hooks.fp16_compress_allreduce_hook, "fp16_compress_hook"),
+        (hooks.bf16_compress_allreduce_hook, "bf16_compress_hook"),
+    ],
+)
+def test_low_precision_hooks_match_torch_bitwise(ours: Any, torch_name: str) -> None:
+    # kwplug's own loop (a low-precision copy reused per bucket buffer), torch's arithmetic.
+    grad = torch.randn(3001, generator=torch.Generator().manual_seed(0)) * 1e3
+    grad[:5] = torch.tensor([1e-8, 7e4, -7e4, 1e-30, 3.3333])
+    expected = getattr(default_hooks, torch_name)(None, _Bucket(grad.clone())).wait()
+    buffer = grad.clone()
+    for _ in range(2):  # the second call reuses the copy
+        buffer.copy_(grad)
+        assert torch.equal(ours(None, _Bucket(buffer)).wait(), expected)
     # DDP refuses these names without CUDA+NCCL (its check reads __name__).
     assert ours.__name__ not in {"bf16_compress_hook", "bf16_compress_wrapper_hook"}
 

@@ -30,7 +30,16 @@ if TYPE_CHECKING:
 else:
     GradBucket = dist.GradBucket  # the object DDP compares the annotation with
 
-__all__ = ["int8_bytes", "int8_hook", "topk_bytes", "topk_count", "topk_hook"]
+__all__ = [
+    "TOPK_BLOCK",
+    "TOPK_BLOCKED_MIN",
+    "int8_bytes",
+    "int8_hook",
+    "topk_bytes",
+    "topk_count",
+    "topk_hook",
+    "topk_select",
+]
 
 _INT8_MAX = 127  # symmetric range [-127, 127]: -128 would need a scale asymmetry
 
@@ -66,13 +75,15 @@ def _layout(bucket: GradBucket) -> Layout:
 def _corrected(
     buffer: torch.Tensor, index: int, layout: Layout, state: Int8State | TopKState
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # float32 gradient plus this bucket's residual (error feedback), never aliasing the buffer
-    # when it will be updated in place later; and the residual to overwrite, or None.
+    # The float32 gradient plus this bucket's residual (error feedback), and the residual to
+    # overwrite (or None). With error feedback the residual itself becomes the corrected
+    # gradient (one in-place add, no temporary): the hook reads what it sends from it before
+    # overwriting it with what was not sent. Without, a float32 buffer is used as is.
     flat = buffer.reshape(-1)
     if not state.error_feedback:
         return flat.to(torch.float32), None
     residual = state.memory.residual(index, layout, flat)
-    return flat.to(torch.float32) + residual, residual
+    return residual.add_(flat), residual
 
 
 def _keep_finite(residual: torch.Tensor) -> None:
@@ -82,58 +93,125 @@ def _keep_finite(residual: torch.Tensor) -> None:
 
 
 def _all_gather(
-    payload: torch.Tensor, process_group: dist.ProcessGroup | None, world_size: int
-) -> tuple[torch.Tensor, torch.futures.Future[Any]]:
-    gathered = payload.new_empty(world_size * payload.numel())
+    payload: torch.Tensor, gathered: torch.Tensor, process_group: dist.ProcessGroup | None
+) -> torch.futures.Future[Any]:
     # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same
     # arguments), which older torch lacks. Looked up per call so that a wrapper counts it.
     gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = gather(gathered, payload, group=process_group, async_op=True)
     if work is None:  # only when this rank is not a member of the group
         raise RuntimeError("this process is not a member of the hook's process group")
-    return gathered, work.get_future()
+    return work.get_future()
+
+
+def _cached(
+    state: Int8State | TopKState,
+    index: int,
+    role: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    # A tensor this bucket's hook reuses every step (payload, gathered payloads, work space):
+    # a fresh bucket-sized allocation costs page faults, often more than the arithmetic. DDP
+    # waits for every bucket's future before the next step, so a step never reuses a tensor
+    # that is still in flight.
+    key = (index, role)
+    tensor = state.buffers.get(key)
+    if tensor is None or tensor.shape != shape or tensor.dtype != dtype or tensor.device != device:
+        tensor = state.buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+    return tensor
 
 
 # -- int8 -------------------------------------------------------------------------------------
 
 
-def _quantize(flat: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # Returns (payload, what the payload decodes to). Payload: the float32 scales viewed as
-    # bytes, then one int8 per element; scales first so that they start 4-byte aligned.
+def _quantize_rows(
+    rows: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, work: torch.Tensor
+) -> None:
+    # ``rows`` (chunks, chunk_size) float32 -> float32 ``scales`` (chunks,) and int8 ``codes``
+    # (chunks * chunk_size,), written in place; ``work`` (like ``rows``) is left holding the
+    # integer steps. max(amax, -amin) is the infinity norm without a bucket-sized abs();
+    # both propagate NaN, and an inf makes it inf, so such a chunk's scale is non-finite.
+    torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_(), out=scales)
+    scales.div_(_INT8_MAX)
+    # All-zero chunks: any finite factor gives code 0; 1/0 would give NaN (0 * inf).
+    inverse = torch.where(scales > 0, scales.reciprocal(), 0.0)
+    torch.mul(rows, inverse[:, None], out=work).clamp_(-_INT8_MAX, _INT8_MAX).round_()
+    codes.copy_(work.view(-1))
+
+
+def _quantize(
+    flat: torch.Tensor, chunk_size: int, payload: torch.Tensor, work: torch.Tensor
+) -> torch.Tensor:
+    # Writes the payload: the float32 scales viewed as bytes, then one int8 per element
+    # (scales first so that they start 4-byte aligned). Whole chunks are a view of ``flat``;
+    # the short last chunk, if any, is quantised on its own. Returns the scales; ``work``
+    # (float32, numel) holds the integer steps.
     numel = flat.numel()
-    chunks = math.ceil(numel / chunk_size)
-    padded = torch.nn.functional.pad(flat, (0, chunks * chunk_size - numel)).view(chunks, -1)
-    scale = padded.abs().amax(dim=1) / _INT8_MAX  # NaN/inf in a chunk make its scale non-finite
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    quantized = (padded / divisor[:, None]).round_().clamp_(-_INT8_MAX, _INT8_MAX)
-    # Decoded with the scale itself, not the divisor: a NaN/inf chunk decodes to non-finite
-    # values, so a GradScaler still sees the overflow and skips the step.
-    decoded = (quantized * scale[:, None]).reshape(-1)[:numel]
-    codes = quantized.to(torch.int8).reshape(-1)[:numel]
-    return torch.cat([scale.view(torch.int8), codes]), decoded
+    whole, rest = divmod(numel, chunk_size)
+    chunks = whole + (rest > 0)
+    main = whole * chunk_size
+    scales = payload[: 4 * chunks].view(torch.float32)
+    codes = payload[4 * chunks :]
+    _quantize_rows(flat[:main].view(whole, chunk_size), scales[:whole], codes[:main],
+                   work[:main].view(whole, chunk_size))  # fmt: skip
+    if rest:
+        _quantize_rows(flat[main:].view(1, rest), scales[whole:], codes[main:],
+                       work[main:].view(1, rest))  # fmt: skip
+    return scales
 
 
-def _dequantize(payload: torch.Tensor, numel: int, chunk_size: int) -> torch.Tensor:
-    chunks = math.ceil(numel / chunk_size)
-    # clone(): the slice of the gathered tensor may start at an offset float32 cannot view.
-    scale = payload[: 4 * chunks].clone().view(torch.float32)
-    codes = torch.nn.functional.pad(
-        payload[4 * chunks :].to(torch.float32), (0, chunks * chunk_size - numel)
+def _decoded(work: torch.Tensor, scales: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    # What the codes in ``work`` decode to, in place. Decoded with the scale itself, not its
+    # inverse: a NaN/inf chunk decodes to non-finite values, so a GradScaler still sees the
+    # overflow and skips the step.
+    numel = work.numel()
+    whole, rest = divmod(numel, chunk_size)
+    main = whole * chunk_size
+    work[:main].view(whole, chunk_size).mul_(scales[:whole, None])
+    if rest:
+        work[main:].mul_(scales[whole:])
+    return work
+
+
+def _dequantize_sum(
+    gathered: torch.Tensor, numel: int, chunk_size: int, decoded: torch.Tensor, out: torch.Tensor
+) -> None:
+    # Decodes every rank's payload at once into ``decoded`` (world, numel) float32 and writes
+    # their sum over ranks into ``out`` (numel,).
+    world_size = decoded.shape[0]
+    whole, rest = divmod(numel, chunk_size)
+    chunks = whole + (rest > 0)
+    main = whole * chunk_size
+    rows = gathered.view(world_size, -1)
+    # Copied: a row's scales may start at an offset float32 cannot view.
+    scales = torch.empty((world_size, 4 * chunks), dtype=torch.int8, device=gathered.device)
+    scales = scales.copy_(rows[:, : 4 * chunks]).view(torch.float32)
+    codes = rows[:, 4 * chunks :]
+    torch.mul(
+        codes[:, :main].view(world_size, whole, chunk_size),
+        scales[:, :whole, None],
+        out=decoded[:, :main].view(world_size, whole, chunk_size),
     )
-    return (codes.view(chunks, -1) * scale[:, None]).reshape(-1)[:numel]
+    if rest:
+        torch.mul(codes[:, main:], scales[:, whole:], out=decoded[:, main:])
+    torch.sum(decoded, dim=0, out=out)
 
 
 def int8_hook(state: Int8State, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over the ranks, exchanging it quantised to int8.
 
     Per chunk of ``state.chunk_size`` elements, the scale is ``max|g| / 127`` and each element
-    is sent as ``round(g / scale)`` in int8; the scales travel as float32. Each rank sends
-    :func:`int8_bytes` bytes (about a quarter of float32) with one
+    is sent as ``round(g * (1 / scale))`` in int8, clamped to [-127, 127]; the scales travel as
+    float32. Each rank sends :func:`int8_bytes` bytes (about a quarter of float32) with one
     ``torch.distributed.all_gather_single``, then decodes every rank's payload in float32,
-    sums them in rank order and divides by the world size. The error per element is at most
-    half a step, ``scale / 2``, per rank. With ``state.error_feedback`` the rounding error is
-    added to the bucket's next gradient. A chunk holding inf or NaN decodes to non-finite
-    values, so ``torch.amp.GradScaler`` still detects the overflow.
+    sums them over the ranks and divides by the world size. The error per element is at most
+    half a step, ``scale / 2``, per rank (plus a rounding of the reciprocal). With
+    ``state.error_feedback`` the rounding error is added to the bucket's next gradient. A chunk
+    holding inf or NaN decodes to non-finite values, so ``torch.amp.GradScaler`` still detects
+    the overflow. The payload, the gathered payloads and the work space are allocated once
+    per bucket and reused.
 
     Args:
         state: :class:`~kwplug_compress.state.Int8State` (``make_int8_state`` builds it from
@@ -151,19 +229,26 @@ def int8_hook(state: Int8State, bucket: GradBucket) -> torch.futures.Future[torc
     buffer = bucket.buffer()
     world_size = dist.get_world_size(state.process_group)
     numel, chunk_size = buffer.numel(), state.chunk_size
-    corrected, residual = _corrected(buffer, bucket.index(), _layout(bucket), state)
-    payload, sent = _quantize(corrected, chunk_size)
+    index, device = bucket.index(), buffer.device
+    corrected, residual = _corrected(buffer, index, _layout(bucket), state)
+    width = int8_bytes(numel, chunk_size)
+    payload = _cached(state, index, "payload", (width,), torch.int8, device)
+    gathered = _cached(state, index, "gathered", (world_size * width,), torch.int8, device)
+    work = _cached(state, index, "work", (numel,), torch.float32, device)
+    scales = _quantize(corrected, chunk_size, payload, work)
     if residual is not None:
-        torch.sub(corrected, sent, out=residual)
+        residual.sub_(_decoded(work, scales, chunk_size))  # it held the corrected gradient
         _keep_finite(residual)
-    gathered, future = _all_gather(payload, state.process_group, world_size)
-    width = payload.numel()
+    future = _all_gather(payload, gathered, state.process_group)
 
     def decode(_: torch.futures.Future[Any]) -> torch.Tensor:
-        total = torch.zeros(numel, dtype=torch.float32, device=buffer.device)
-        for rank in range(world_size):
-            total += _dequantize(gathered[rank * width : (rank + 1) * width], numel, chunk_size)
-        buffer.copy_(total.div_(world_size).view_as(buffer))
+        flat = buffer.view(-1)
+        total = flat if flat.dtype == torch.float32 else work
+        decoded = _cached(state, index, "decoded", (world_size, numel), torch.float32, device)
+        _dequantize_sum(gathered, numel, chunk_size, decoded, total)
+        total.div_(world_size)
+        if total is not flat:
+            flat.copy_(total)
         return buffer
 
     return future.then(decode)
@@ -171,20 +256,67 @@ def int8_hook(state: Int8State, bucket: GradBucket) -> torch.futures.Future[torc
 
 # -- top-k ------------------------------------------------------------------------------------
 
+#: Elements per block of the top-k selection in large buckets (see :func:`topk_select`).
+TOPK_BLOCK = 1024
+#: Buckets of fewer elements select the exact top k (a block pass would gain nothing).
+TOPK_BLOCKED_MIN = 64 * TOPK_BLOCK
+
+
+def topk_select(
+    corrected: torch.Tensor, k: int, magnitude: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The indices (int64, unordered) of the ``k`` entries the ``"topk"`` hook sends.
+
+    A bucket of fewer than :data:`TOPK_BLOCKED_MIN` elements sends its exact top ``k`` by
+    magnitude. A larger one is cut into blocks of :data:`TOPK_BLOCK` elements (the last may
+    be shorter); each block proposes its ``ceil(k / blocks)`` largest entries, and the ``k``
+    largest of these candidates are sent. That is the exact top ``k`` unless one block holds
+    more than ``ceil(k / blocks)`` of them; then a smaller entry of another block is sent in
+    their place (with error feedback the unsent ones stay in the residual and are sent
+    later). A row-wise ``topk`` over short rows costs a fraction of one over the whole bucket.
+    ``torch.topk`` ranks NaN above every number, so a non-finite entry is always proposed.
+
+    Args:
+        corrected: the 1-D float32 corrected gradient.
+        k: how many indices, ``1 <= k <= corrected.numel()``.
+        magnitude: optional work space like ``corrected`` for ``|corrected|``.
+
+    Returns:
+        ``k`` distinct indices into ``corrected`` (``torch.int64``).
+    """
+    numel = corrected.numel()
+    magnitude = torch.abs(corrected, out=magnitude) if magnitude is not None else corrected.abs()
+    blocks = -(-numel // TOPK_BLOCK)
+    per_block = -(-k // blocks)
+    if numel < TOPK_BLOCKED_MIN or per_block * 2 > TOPK_BLOCK:
+        return magnitude.topk(k, sorted=False).indices
+    whole = numel // TOPK_BLOCK
+    rows = magnitude[: whole * TOPK_BLOCK].view(whole, TOPK_BLOCK).topk(per_block, sorted=False)
+    starts = torch.arange(0, whole * TOPK_BLOCK, TOPK_BLOCK, device=corrected.device)
+    values, indices = [rows.values.view(-1)], [rows.indices.add_(starts[:, None]).view(-1)]
+    if whole < blocks:  # the short last block
+        tail = magnitude[whole * TOPK_BLOCK :]
+        last = tail.topk(min(per_block, tail.numel()), sorted=False)
+        values.append(last.values)
+        indices.append(last.indices.add_(whole * TOPK_BLOCK))
+    chosen = torch.cat(values).topk(k, sorted=False).indices
+    return torch.cat(indices)[chosen]
+
 
 def topk_hook(state: TopKState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket over the ranks, each rank sending only its top-k entries.
+    """Average the bucket over the ranks, each rank sending only ``k`` of its entries.
 
     Top-k sparsification with error feedback (Stich et al., 2018, "Sparsified SGD with
     memory"; Lin et al., 2018, "Deep Gradient Compression"): the gradient plus the bucket's
-    residual is the corrected gradient; its ``k = max(1, ceil(state.ratio * numel))`` entries
-    of largest magnitude (``torch.topk``) are sent as ``k`` float32 values and ``k`` int32
-    indices, :func:`topk_bytes` = ``8 k`` bytes, with one
+    residual is the corrected gradient; ``k = max(1, ceil(state.ratio * numel))`` of its
+    entries of largest magnitude (:func:`topk_select`: the exact top ``k`` in buckets under
+    :data:`TOPK_BLOCKED_MIN` elements, the top ``k`` of per-block candidates above) are sent as
+    ``k`` float32 values and ``k`` int32 indices, :func:`topk_bytes` = ``8 k`` bytes, with one
     ``torch.distributed.all_gather_single``. Every rank adds all ranks' entries into a
     dense zero tensor in rank order (``index_add_``; one rank's indices are distinct, so the
     result is deterministic on GPUs too) and divides by the world size. The residual becomes
-    the corrected gradient minus what was sent. With ``ratio=1.0`` the result equals the plain
-    average; ``ratio >= 0.5`` sends more than a float32 all-reduce.
+    the corrected gradient minus what was sent, exactly. With ``ratio=1.0`` the result equals
+    the plain average; ``ratio >= 0.5`` sends more than a float32 all-reduce.
 
     Args:
         state: :class:`~kwplug_compress.state.TopKState` (``make_topk_state`` builds it from
@@ -204,24 +336,33 @@ def topk_hook(state: TopKState, bucket: GradBucket) -> torch.futures.Future[torc
     numel = buffer.numel()
     if numel > torch.iinfo(torch.int32).max:
         raise RuntimeError(f"topk: a bucket of {numel} elements exceeds int32 indices")
-    corrected, residual = _corrected(buffer, bucket.index(), _layout(bucket), state)
+    index = bucket.index()
+    corrected, residual = _corrected(buffer, index, _layout(bucket), state)
     k = topk_count(numel, state.ratio)
-    # torch.topk ranks NaN above every number, so a non-finite gradient is always sent.
-    indices = corrected.abs().topk(k, sorted=False).indices
-    values = corrected[indices]
-    if residual is not None:
-        residual.copy_(corrected).index_fill_(0, indices, 0.0)
-        _keep_finite(residual)
+    device = buffer.device
+    indices = topk_select(
+        corrected, k, _cached(state, index, "work", (numel,), torch.float32, device)
+    )
     # One int32 payload: the float32 values' bits, then the indices.
-    payload = torch.cat([values.view(torch.int32), indices.to(torch.int32)])
-    gathered, future = _all_gather(payload, state.process_group, world_size)
+    payload = _cached(state, index, "payload", (2 * k,), torch.int32, device)
+    gathered = _cached(state, index, "gathered", (world_size * 2 * k,), torch.int32, device)
+    torch.index_select(corrected, 0, indices, out=payload[:k].view(torch.float32))
+    payload[k:].copy_(indices)
+    if residual is not None:
+        residual.index_fill_(0, indices, 0.0)  # it held the corrected gradient
+        _keep_finite(residual)
+    future = _all_gather(payload, gathered, state.process_group)
 
     def decode(_: torch.futures.Future[Any]) -> torch.Tensor:
-        dense = torch.zeros(numel, dtype=torch.float32, device=buffer.device)
+        flat = buffer.view(-1)
+        dense = flat if flat.dtype == torch.float32 else state.buffers[(index, "work")]
+        dense.zero_()
+        blocks = gathered.view(world_size, 2 * k)
         for rank in range(world_size):
-            block = gathered[rank * 2 * k : (rank + 1) * 2 * k]
-            dense.index_add_(0, block[k:].to(torch.int64), block[:k].view(torch.float32))
-        buffer.copy_(dense.div_(world_size).view_as(buffer))
+            dense.index_add_(0, blocks[rank, k:].long(), blocks[rank, :k].view(torch.float32))
+        dense.div_(world_size)
+        if dense is not flat:
+            flat.copy_(dense)
         return buffer
 
     return future.then(decode)

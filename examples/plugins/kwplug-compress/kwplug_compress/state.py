@@ -134,12 +134,15 @@ class Int8State(_CheckpointedResiduals):
         error_feedback: carry each step's quantisation error into the next (default off:
             rounding to 1/254 of the chunk's range already loses little).
         memory: the residuals, used with ``error_feedback``.
+        buffers: tensors the hook reuses every step, by (bucket index, role) (not
+            checkpointed).
     """
 
     process_group: dist.ProcessGroup | None = None
     chunk_size: int = 512
     error_feedback: bool = False
     memory: ResidualMemory = field(default_factory=ResidualMemory)
+    buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
 
 
 @dataclass(eq=False)
@@ -153,12 +156,15 @@ class TopKState(_CheckpointedResiduals):
         error_feedback: keep what was not sent and add it to the next step's gradient
             (default on; without it top-k sparsification loses most of the gradient).
         memory: the residuals, used with ``error_feedback``.
+        buffers: tensors the hook reuses every step, by (bucket index, role) (not
+            checkpointed).
     """
 
     process_group: dist.ProcessGroup | None = None
     ratio: float = 0.01
     error_feedback: bool = True
     memory: ResidualMemory = field(default_factory=ResidualMemory)
+    buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
 
 
 def _schema(hook: str, defaults: Mapping[str, Any], value: Validator) -> OptionSchema:
