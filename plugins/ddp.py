@@ -372,16 +372,14 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
     @hookimpl
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any] | None:
-        """``model.no_sync()`` when ``model`` is a ``DistributedDataParallel``; ``None``
-        otherwise.
+        """``model.no_sync()`` for a ``DistributedDataParallel`` ``model``, else ``None``.
 
-        Under it DDP neither reduces gradients nor calls the communication hook, so a
-        stateful hook (PowerSGD's step counter and error feedback) advances only on the
-        synchronising backward. Exception: with ``static_graph=True``, torch's ``no_sync``
-        crashes the first backward (``expect_autograd_hooks_`` assertion) and, past it,
-        stops reducing gradients (pytorch/pytorch#143580, #187732); the model then
-        synchronises every micro-batch instead (``contextlib.nullcontext()``; the same sum
-        for an exact all-reduce, more communication) and a ``KwplugWarning`` says so once.
+        Under it DDP neither reduces gradients nor calls the communication hook (PowerSGD's
+        step counter and error feedback advance only on the synchronising backward). With
+        ``static_graph=True`` torch's ``no_sync`` crashes or stops reducing
+        (pytorch/pytorch#143580): the model then synchronises every micro-batch
+        (``contextlib.nullcontext()``, the same sum for an exact all-reduce) and a
+        ``KwplugWarning`` says so once.
         """
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return None

@@ -10,7 +10,7 @@ return the bucket's own full-precision buffer (torch's return the low-precision 
 not named like torch's bfloat16 wrapper, for the same reason.
 """
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,8 +62,7 @@ def _low_precision_allreduce(
     # torch's default_hooks._compress_hook, step for step (cast, then divide in ``dtype``, so
     # the numerics are torch's), writing the cast into a copy kept per bucket buffer.
     if torch.compiler.is_compiling():
-        future = default_hooks._compress_hook(dtype, process_group, bucket)  # type: ignore[arg-type]
-        return cast("torch.futures.Future[torch.Tensor]", future)
+        return default_hooks._compress_hook(dtype, process_group, bucket)  # type: ignore[arg-type]
     buffer = bucket.buffer()
     key = (buffer.data_ptr(), buffer.numel(), dtype, buffer.device)
     compressed = _LOW_PRECISION_COPIES.get(key)

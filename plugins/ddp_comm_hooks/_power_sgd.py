@@ -87,6 +87,8 @@ class _OrderedPowerSGDState(PowerSGDState):
     exactly as ``PowerSGDState`` (the groups and the ordering future are never saved)."""
 
     __slots__ = ("q_issued", "q_process_group")
+    q_issued: torch.futures.Future[None] | None
+    q_process_group: dist.ProcessGroup | None
 
     def __getstate__(self) -> dict[str, Any]:
         # PowerSGDState.__getstate__ reads self.__slots__, which here names only ours.
@@ -102,7 +104,8 @@ def _q_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | Non
     if dist.get_backend(process_group) != "gloo":
         return None
     ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-    return dist.new_group(ranks=ranks, backend="gloo")
+    group: dist.ProcessGroup | None = dist.new_group(ranks=ranks, backend="gloo")
+    return group
 
 
 def make_power_sgd_state(
@@ -281,7 +284,7 @@ def batched_power_sgd_hook(
                 state.q_memory_dict[key] = q_mean
             _count_step(state, bucket)
         except BaseException as error:  # handed to DDP through the future
-            result.set_exception(error)
+            result.set_exception(error)  # type: ignore[arg-type]  # torch's stub is too narrow
             return
         result.set_result(buffer)
 
@@ -295,7 +298,7 @@ def batched_power_sgd_hook(
             q_future = all_reduce_async(q_mat, state.process_group if group is None else group)
         except BaseException as error:  # handed to DDP through the future
             issued.set_result(None)
-            result.set_exception(error)
+            result.set_exception(error)  # type: ignore[arg-type]  # torch's stub is too narrow
             return
         issued.set_result(None)
         q_future.then(decompress)

@@ -101,7 +101,8 @@ def _all_gather(
     work = gather(gathered, payload, group=process_group, async_op=True)
     if work is None:  # only when this rank is not a member of the group
         raise RuntimeError("this process is not a member of the hook's process group")
-    return work.get_future()
+    future: torch.futures.Future[Any] = work.get_future()
+    return future
 
 
 def _cached(
