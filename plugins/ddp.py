@@ -387,10 +387,9 @@ class DistributedDataParallelKwargs(KwargsHandler):
             if model not in _WARNED_STATIC:
                 _WARNED_STATIC.add(model)
                 warnings.warn(
-                    "DistributedDataParallelKwargs(static_graph=True): gradients are "
-                    "synchronised on every accumulation micro-batch, because torch's "
-                    "DistributedDataParallel.no_sync() is broken with a static graph "
-                    "(pytorch/pytorch#143580); use static_graph=False to skip them",
+                    "DistributedDataParallelKwargs(static_graph=True): gradients are synchronised"
+                    " on every accumulation micro-batch, because torch's no_sync() is broken "
+                    "with a static graph (pytorch/pytorch#143580); static_graph=False skips them",
                     KwplugWarning,
                     stacklevel=2,
                 )
@@ -398,5 +397,4 @@ class DistributedDataParallelKwargs(KwargsHandler):
         return model.no_sync()
 
 
-# Static-graph DDP models already warned about (see no_sync).
 _WARNED_STATIC: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
