@@ -172,14 +172,13 @@ class ProjectConfiguration:
 
     Attributes:
         project_dir: ``str`` or ``os.PathLike`` (stored as ``str``), or ``None`` (default);
-            the folder for checkpoints (``<project_dir>/checkpoints/checkpoint_<i>`` with
-            ``automatic_checkpoint_naming``).
+            the project's folder (trackers' logs unless ``logging_dir`` is set).
         logging_dir: folder for trackers' logs; ``None`` (default) means ``project_dir``.
-        automatic_checkpoint_naming: ``bool``, default ``False``; ``save_state()`` without a
-            folder names checkpoints by ``iteration``.
-        total_limit: ``int`` >= 1 or ``None`` (default: keep all); the most automatically
-            named checkpoints kept, the oldest deleted first.
-        iteration: ``int`` >= 0, default 0; the number of the next automatic checkpoint.
+        automatic_checkpoint_naming: ``bool``, default ``False``. Kept for Accelerate's
+            scripts, not acted on yet: kwplug's ``save_state`` always takes a folder (one
+            folder keeps its newest complete version; see ``docs/reliability.md``).
+        total_limit: ``int`` >= 1 or ``None`` (default); kept, not acted on (see above).
+        iteration: ``int`` >= 0, default 0; kept, not acted on (see above).
         save_on_each_node: ``bool``, default ``False``; save on each node's local main
             process instead of only on the global main process.
 
