@@ -2,97 +2,83 @@
 
 The core defines the hook contract (:mod:`kwplug.hookspecs`), the :class:`KwargsHandler` base,
 entry-point discovery (:func:`discover`), the exceptions (:mod:`kwplug.errors`) and a minimal
-:class:`Accelerator`. The built-in handlers live in :mod:`kwplug.plugins` and are re-exported
-here lazily, so ``import kwplug`` stays cheap.
+:class:`Accelerator`. The built-in handlers live in :mod:`kwplug.plugins`.
+
+Every public name is listed once, in :data:`_EXPORTS`, with the module that defines it, and
+is imported on first use (PEP 562), so ``import kwplug`` imports none of them.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from kwplug._plugins import Answer, discover
-from kwplug.accelerator import Accelerator
-from kwplug.comm_hooks import CommHook, register_comm_hook, unregister_comm_hook
-from kwplug.errors import PluginLoadError, PluginLoadWarning
-from kwplug.handler import KwargsHandler
-from kwplug.hookspecs import hookimpl, hookspec
+if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
+    from kwplug._plugins import Answer as Answer
+    from kwplug._plugins import discover as discover
+    from kwplug.accelerator import Accelerator as Accelerator
+    from kwplug.comm_hooks import CommHook as CommHook
+    from kwplug.comm_hooks import register_comm_hook as register_comm_hook
+    from kwplug.comm_hooks import unregister_comm_hook as unregister_comm_hook
+    from kwplug.errors import PluginLoadError as PluginLoadError
+    from kwplug.errors import PluginLoadWarning as PluginLoadWarning
+    from kwplug.handler import KwargsHandler as KwargsHandler
+    from kwplug.hookspecs import hookimpl as hookimpl
+    from kwplug.hookspecs import hookspec as hookspec
+    from kwplug.plugins import AutocastKwargs as AutocastKwargs
+    from kwplug.plugins import DDPCommunicationHookType as DDPCommunicationHookType
+    from kwplug.plugins import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+    from kwplug.plugins import GradScalerKwargs as GradScalerKwargs
+    from kwplug.plugins import InitProcessGroupKwargs as InitProcessGroupKwargs
+    from kwplug.plugins import ProfileKwargs as ProfileKwargs
+    from kwplug.utils import DataLoaderConfiguration as DataLoaderConfiguration
+    from kwplug.utils import DistributedType as DistributedType
+    from kwplug.utils import find_executable_batch_size as find_executable_batch_size
+    from kwplug.utils import is_rich_available as is_rich_available
 
-if TYPE_CHECKING:
-    from kwplug.plugins import (
-        AutocastKwargs,
-        DDPCommunicationHookType,
-        DistributedDataParallelKwargs,
-        GradScalerKwargs,
-        InitProcessGroupKwargs,
-        ProfileKwargs,
-    )
-    from kwplug.utils import (
-        DataLoaderConfiguration,
-        DistributedType,
-        find_executable_batch_size,
-        is_rich_available,
-    )
+#: Public name -> the module that defines it. The handlers are re-exported from
+#: :mod:`kwplug.plugins` (the core never refers to a built-in class), and the ``accelerate``
+#: top-level names that come from its utils from :mod:`kwplug.utils`, so that
+#: ``from accelerate import Accelerator, DistributedType`` ports by renaming the package.
+_EXPORTS: dict[str, str] = {
+    "Accelerator": "kwplug.accelerator",
+    "Answer": "kwplug._plugins",
+    "discover": "kwplug._plugins",
+    "CommHook": "kwplug.comm_hooks",
+    "register_comm_hook": "kwplug.comm_hooks",
+    "unregister_comm_hook": "kwplug.comm_hooks",
+    "PluginLoadError": "kwplug.errors",
+    "PluginLoadWarning": "kwplug.errors",
+    "KwargsHandler": "kwplug.handler",
+    "hookimpl": "kwplug.hookspecs",
+    "hookspec": "kwplug.hookspecs",
+    "AutocastKwargs": "kwplug.plugins",
+    "DDPCommunicationHookType": "kwplug.plugins",
+    "DistributedDataParallelKwargs": "kwplug.plugins",
+    "GradScalerKwargs": "kwplug.plugins",
+    "InitProcessGroupKwargs": "kwplug.plugins",
+    "ProfileKwargs": "kwplug.plugins",
+    "DataLoaderConfiguration": "kwplug.utils",
+    "DistributedType": "kwplug.utils",
+    "find_executable_batch_size": "kwplug.utils",
+    "is_rich_available": "kwplug.utils",
+}
 
-__all__ = [
-    "Accelerator",
-    "Answer",
-    "AutocastKwargs",
-    "CommHook",
-    "DDPCommunicationHookType",
-    "DataLoaderConfiguration",
-    "DistributedDataParallelKwargs",
-    "DistributedType",
-    "GradScalerKwargs",
-    "InitProcessGroupKwargs",
-    "KwargsHandler",
-    "PluginLoadError",
-    "PluginLoadWarning",
-    "ProfileKwargs",
-    "__version__",
-    "discover",
-    "find_executable_batch_size",
-    "hookimpl",
-    "hookspec",
-    "is_rich_available",
-    "register_comm_hook",
-    "unregister_comm_hook",
-]
-
-_BUILTIN_REEXPORTS = frozenset(
-    {
-        "AutocastKwargs",
-        "DDPCommunicationHookType",
-        "DistributedDataParallelKwargs",
-        "GradScalerKwargs",
-        "InitProcessGroupKwargs",
-        "ProfileKwargs",
-    }
-)
-
-# What ``accelerate`` itself (not ``accelerate.utils``) exports from its utils, for
-# ``from accelerate import Accelerator, DistributedType`` to port by renaming the package.
-_UTILS_REEXPORTS = frozenset(
-    {
-        "DataLoaderConfiguration",
-        "DistributedType",
-        "find_executable_batch_size",
-        "is_rich_available",
-    }
-)
+__all__ = sorted([*_EXPORTS, "__version__"])
 
 
 def __getattr__(name: str) -> Any:
-    if name == "__version__":  # from the installed metadata; read lazily, import stays cheap
+    if name == "__version__":  # from the installed metadata, read on first use
         import importlib_metadata
 
         return importlib_metadata.version("kwplug")
-    # Re-export only: the core itself never refers to a built-in handler class.
-    if name in _BUILTIN_REEXPORTS:
-        from kwplug import plugins
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kwplug' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
 
-        return getattr(plugins, name)
-    if name in _UTILS_REEXPORTS:
-        from kwplug import utils
 
-        return getattr(utils, name)
-    raise AttributeError(f"module 'kwplug' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return [*__all__, *(n for n in globals() if n.startswith("__"))]
