@@ -14,7 +14,23 @@ pytestmark = [pytest.mark.parity, pytest.mark.timeout(1800)]
 
 #: Scripts whose kwplug runs are expected to match Accelerate's. The others are xfail (not
 #: strict) until kwplug implements the Accelerator API they call; add a name when it passes.
-KWPLUG_WORKING: frozenset[str] = frozenset()
+KWPLUG_WORKING: frozenset[str] = frozenset(
+    {
+        "automatic_gradient_accumulation",
+        "checkpointing",
+        "complete_nlp_example",
+        "cross_validation",
+        "ddp_comm_hook",
+        "early_stopping",
+        "gradient_accumulation",
+        "local_sgd",
+        "memory",
+        "multi_process_metrics",
+        "nlp_example",
+        "profiler",
+        "tracking",
+    }
+)
 
 PROCESSES = [1, pytest.param(2, marks=pytest.mark.multiprocess, id="2")]
 
