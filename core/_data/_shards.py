@@ -34,7 +34,9 @@ class SeedableRandomSampler(RandomSampler):
 
     Args:
         data_source: the data set (sized).
-        replacement, num_samples, generator: as for ``torch.utils.data.RandomSampler``.
+        replacement: as for ``torch.utils.data.RandomSampler``.
+        num_samples: as for ``torch.utils.data.RandomSampler``.
+        generator: as for ``torch.utils.data.RandomSampler``.
         data_seed: the initial seed; ``None`` (default) uses ``torch.initial_seed()`` (the
             seed given to ``kwplug.utils.set_seed``).
     """
