@@ -1,4 +1,6 @@
-"""Collectives across the training processes: gather, reduce, barrier.
+"""Plain tensor collectives of the Accelerator itself: reduce (triggers), barrier.
+
+User-facing gather/reduce of nested data go through :mod:`._metrics` (shape-checked).
 
 Each takes the number of processes and is a no-op (or a copy) in a single process, so that
 the same training script runs under ``python`` and ``torchrun``.
@@ -10,20 +12,6 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-
-
-def gather(tensor: torch.Tensor, num_processes: int) -> torch.Tensor:
-    """Concatenate ``tensor`` from every rank along dim 0 (0-d tensors become 1-d).
-
-    Every rank must pass the same shape. Single process: ``tensor`` itself (0-d made 1-d).
-    """
-    if tensor.dim() == 0:
-        tensor = tensor.unsqueeze(0)
-    if num_processes <= 1:
-        return tensor
-    out = [torch.empty_like(tensor) for _ in range(num_processes)]
-    dist.all_gather(out, tensor.contiguous())
-    return torch.cat(out, dim=0)
 
 
 def reduce(
