@@ -15,6 +15,7 @@ from kwplug import checkpoint
 from kwplug._plugins import KwplugPluginManager
 from kwplug.accelerator import _saving
 from kwplug.accelerator._tracking import _Trackers
+from kwplug.checkpoint import _naming
 from kwplug.tracking import GeneralTracker
 from kwplug.utils.dataclasses import ProjectConfiguration
 
@@ -106,7 +107,14 @@ class _Checkpoints:
         """
         checkpoint.register_for_checkpointing(cast("Accelerator", self), *objects)
 
-    def save_state(self, output_dir: str | os.PathLike[str]) -> Path:
+    project_configuration: ProjectConfiguration
+
+    @property
+    def save_iteration(self) -> int:
+        """``project_configuration.iteration``: the number of the next automatic checkpoint."""
+        return self.project_configuration.iteration
+
+    def save_state(self, output_dir: str | os.PathLike[str] | None = None) -> Path:
         """Save everything needed to resume training exactly, atomically.
 
         Saves the prepared models (unwrapped ``state_dict``), optimizers, the gradient scaler,
@@ -122,14 +130,24 @@ class _Checkpoints:
         shapes as the unsharded model's ``state_dict()``); its optimizer as the full
         optimizer state dict (``get_optimizer_state_dict``, keyed by parameter name).
 
+        Every save increments ``project_configuration.iteration``. With
+        ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the checkpoint directory is
+        ``<project_dir>/checkpoints/checkpoint_<iteration>``, and ``total_limit`` keeps only
+        the newest kwplug checkpoints there once the new one is committed (see
+        :mod:`kwplug.checkpoint._naming`).
+
         Args:
             output_dir: the checkpoint directory: a new version folder is written into it and
                 older versions are deleted once it is complete; nothing else there is touched.
+                Default ``None``: only with automatic naming (which, as in Accelerate,
+                ignores ``output_dir`` with a ``KwplugWarning``).
 
         Returns:
             The checkpoint directory.
 
         Raises:
+            ValueError: no ``output_dir`` and no automatic naming; automatic naming without a
+                ``project_dir``; ``checkpoint_<iteration>`` exists already (as in Accelerate).
             kwplug.checkpoint.CheckpointError: another process is saving into
                 ``output_dir`` (naming its host and pid); a write failed (disk full: the
                 unfinished version is removed, the previous one kept); state that a
@@ -137,9 +155,9 @@ class _Checkpoints:
             NotImplementedError: an optimizer steps a sharded model's parameters together
                 with parameters outside that model.
         """
-        return checkpoint.save_state(cast("Accelerator", self), output_dir)
+        return _naming.save(cast("Accelerator", self), output_dir)
 
-    def load_state(self, input_dir: str | os.PathLike[str]) -> Path:
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> Path:
         """Restore what :meth:`save_state` saved into the prepared objects, in place.
 
         Prepare the same models, optimizers and data loaders, in the same order, before
@@ -150,15 +168,25 @@ class _Checkpoints:
         Every file is verified (manifest, size, sha256, kind, shapes) before any object is
         loaded; no file is unpickled.
 
+        Args:
+            input_dir: the checkpoint directory. Default ``None``: only with automatic naming,
+                the highest-numbered complete ``<project_dir>/checkpoints/checkpoint_<n>``.
+                With automatic naming, loading ``checkpoint_<n>`` sets
+                ``project_configuration.iteration`` to ``n + 1`` (the next save continues the
+                numbering).
+
         Returns:
             The version folder read (the newest complete one in ``input_dir``).
 
         Raises:
-            FileNotFoundError: no complete checkpoint at ``input_dir``.
+            ValueError: no ``input_dir`` and no automatic naming; automatic naming without a
+                ``project_dir``.
+            FileNotFoundError: no complete checkpoint at ``input_dir`` (or, with automatic
+                naming, in ``checkpoints``).
             kwplug.checkpoint.CheckpointError: (a ``ValueError``) a file is missing,
                 truncated, altered, not regular or not listed; the checkpoint was saved with a
                 different number of processes or different prepared objects (class, shapes).
             NotImplementedError: (also from :meth:`save_state`) an optimizer steps a sharded
                 model's parameters together with parameters outside that model.
         """
-        return checkpoint.load_state(cast("Accelerator", self), input_dir)
+        return _naming.load(cast("Accelerator", self), input_dir)

@@ -13,7 +13,9 @@ One module per concern:
   the save lock;
 - :mod:`~kwplug.checkpoint._rng`: RNG states; :mod:`~kwplug.checkpoint._sharded`: ``DTensor``
   models and their optimizers;
-- :mod:`~kwplug.checkpoint._api`: the ``Accelerator`` methods.
+- :mod:`~kwplug.checkpoint._api`: the ``Accelerator`` methods;
+- :mod:`~kwplug.checkpoint._naming`: automatic checkpoint naming (``checkpoint_<i>``,
+  ``total_limit``).
 """
 
 from __future__ import annotations

@@ -174,11 +174,16 @@ class ProjectConfiguration:
         project_dir: ``str`` or ``os.PathLike`` (stored as ``str``), or ``None`` (default);
             the project's folder (trackers' logs unless ``logging_dir`` is set).
         logging_dir: folder for trackers' logs; ``None`` (default) means ``project_dir``.
-        automatic_checkpoint_naming: ``bool``, default ``False``. Kept for Accelerate's
-            scripts, not acted on yet: kwplug's ``save_state`` always takes a folder (one
-            folder keeps its newest complete version; see ``docs/reliability.md``).
-        total_limit: ``int`` >= 1 or ``None`` (default); kept, not acted on (see above).
-        iteration: ``int`` >= 0, default 0; kept, not acted on (see above).
+        automatic_checkpoint_naming: ``bool``, default ``False``. ``True``: ``save_state()``
+            saves into ``<project_dir>/checkpoints/checkpoint_<iteration>`` and
+            ``load_state()`` reads the newest complete one (see
+            :mod:`kwplug.checkpoint._naming`).
+        total_limit: ``int`` >= 1 or ``None`` (default, no limit); with automatic naming,
+            how many kwplug checkpoints ``checkpoints/`` keeps (older ones are deleted after
+            each save; nothing else there is touched).
+        iteration: ``int`` >= 0, default 0; the number of the next automatic checkpoint.
+            Every ``save_state`` increments it; ``load_state`` of ``checkpoint_<n>`` sets it
+            to ``n + 1``.
         save_on_each_node: ``bool``, default ``False``; save on each node's local main
             process instead of only on the global main process.
 

@@ -28,6 +28,7 @@ KWPLUG_WORKING: frozenset[str] = frozenset(
         "multi_process_metrics",
         "nlp_example",
         "profiler",
+        "schedule_free",
         "tracking",
     }
 )

@@ -1,0 +1,209 @@
+"""Accelerate's automatic checkpoint naming: ``ProjectConfiguration(automatic_checkpoint_naming=
+True, total_limit=N, iteration=i)``.
+
+With automatic naming, ``save_state()`` writes ``<project_dir>/checkpoints/checkpoint_<i>``
+(each one an ordinary kwplug checkpoint directory, :mod:`kwplug.checkpoint._layout`) and then
+increments ``iteration``; ``load_state()`` reads the highest-numbered complete one. Unlike
+Accelerate:
+
+- ``total_limit`` is applied *after* the new checkpoint is committed (Accelerate deletes
+  first, so a crash while saving can leave fewer checkpoints than the limit, or none), and it
+  counts and deletes only ``checkpoint_<n>`` folders that hold a complete kwplug checkpoint
+  and nothing but kwplug's own files; anything else in ``checkpoints/`` is never counted,
+  renamed or deleted (Accelerate counts, and deletes, every entry there).
+- A folder is deleted by renaming it to ``.kwplug-trash-checkpoint_<n>-<pid>`` first (atomic;
+  a trash folder is never read and the next prune finishes deleting it) while holding its
+  save lock, so a concurrent saver's folder is never deleted under it.
+- ``load_state`` of ``checkpoints/checkpoint_<n>`` sets ``iteration`` to ``n + 1``, so a
+  resumed run continues the numbering (Accelerate keeps ``iteration`` at its configured value
+  and the next save then fails on the existing folder).
+- ``checkpoint_<i>`` left by a save that was killed (no complete version, only kwplug's files)
+  is saved into again instead of being refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kwplug.checkpoint import _api as api
+from kwplug.checkpoint import _commit as commit
+from kwplug.checkpoint import _layout as layout
+from kwplug.checkpoint import _lock as lock
+from kwplug.errors import CheckpointError, KwplugWarning
+
+if TYPE_CHECKING:
+    from kwplug.accelerator import Accelerator
+
+CHECKPOINTS = "checkpoints"
+_NAME = re.compile(r"checkpoint_(\d+)")
+_TRASH = re.compile(r"\.kwplug-trash-checkpoint_\d+-\d+")
+
+
+def checkpoint_name(iteration: int) -> str:
+    """The folder name of save ``iteration`` (Accelerate's ``checkpoint_<iteration>``)."""
+    return f"checkpoint_{iteration}"
+
+
+def root(accelerator: Accelerator) -> Path:
+    """``<project_dir>/checkpoints``.
+
+    Raises:
+        ValueError: ``project_dir`` is not set.
+    """
+    project_dir = accelerator.project_configuration.project_dir
+    if project_dir is None:
+        raise ValueError(
+            "ProjectConfiguration(automatic_checkpoint_naming=True) needs a project_dir: pass "
+            "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)"
+        )
+    return Path(project_dir).absolute() / CHECKPOINTS
+
+
+def numbered(directory: Path) -> dict[int, Path]:
+    """The ``checkpoint_<n>`` folders in ``directory`` by ``n`` (whoever wrote them)."""
+    found: dict[int, Path] = {}
+    if directory.is_dir():
+        for child in directory.iterdir():
+            match = _NAME.fullmatch(child.name)
+            if match and child.is_dir() and not child.is_symlink():
+                found[int(match.group(1))] = child
+    return found
+
+
+def _only_kwplug_files(folder: Path) -> bool:
+    # The lock file and kwplug's version and trash folders, nothing else.
+    for child in folder.iterdir():
+        if child.is_symlink():
+            return False
+        if child.name == layout.LOCK and child.is_file():
+            continue
+        ours = (layout.version_number(child.name), layout.trash_number(child.name))
+        if ours == (None, None) or not child.is_dir() or not commit._owned(child):
+            return False
+    return True
+
+
+def is_kwplug_checkpoint(folder: Path) -> bool:
+    """True when ``folder`` holds a complete kwplug checkpoint and only kwplug's files."""
+    return commit.resolve_checkpoint(folder) is not None and _only_kwplug_files(folder)
+
+
+def _share(accelerator: Accelerator, value: Any) -> Any:
+    # The main process decides; every rank acts on its decision (and raises together).
+    if accelerator.num_processes <= 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _refusal(target: Path, iteration: int) -> str | None:
+    if not target.exists() and not target.is_symlink():
+        return None
+    leftover = target.is_dir() and not target.is_symlink() and _only_kwplug_files(target)
+    if leftover and commit.resolve_checkpoint(target) is None:
+        return None  # what a killed save left: saved into again
+    return (
+        f"checkpoint directory {target} (iteration {iteration}) already exists; set "
+        "project_configuration.iteration to the iteration to continue from (load_state() "
+        "does so) or remove the folder"
+    )
+
+
+def save(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None) -> Path:
+    """``save_state``: into ``output_dir``, or the next ``checkpoint_<i>`` with automatic naming;
+    then ``iteration += 1`` and, with ``total_limit``, :func:`prune`."""
+    config = accelerator.project_configuration
+    if not config.automatic_checkpoint_naming:
+        if output_dir is None:
+            raise ValueError(
+                "save_state() needs output_dir unless ProjectConfiguration("
+                "automatic_checkpoint_naming=True) names the folders"
+            )
+        saved = api.save_state(accelerator, output_dir)
+        config.iteration += 1
+        return saved
+    checkpoints = root(accelerator)
+    if output_dir is not None:  # Accelerate ignores it too; say so
+        warnings.warn(
+            f"save_state({os.fspath(output_dir)!r}) ignores its output_dir: "
+            f"automatic_checkpoint_naming saves into {checkpoints}",
+            KwplugWarning,
+            stacklevel=3,
+        )
+    target = checkpoints / checkpoint_name(config.iteration)
+    refusal = _refusal(target, config.iteration) if accelerator.is_main_process else None
+    refusal = _share(accelerator, refusal)
+    if refusal is not None:
+        raise ValueError(refusal)
+    saved = api.save_state(accelerator, target)
+    config.iteration += 1
+    if config.total_limit is not None and accelerator.is_main_process:
+        prune(checkpoints, config.total_limit)
+    return saved
+
+
+def prune(directory: Path, total_limit: int) -> list[Path]:
+    """Delete the oldest kwplug checkpoints in ``directory`` beyond the newest ``total_limit``.
+
+    Only ``checkpoint_<n>`` folders for which :func:`is_kwplug_checkpoint` holds are counted
+    and deleted, oldest (smallest ``n``) first; a folder another process is saving into (its
+    lock is held) is skipped. Trash left by an interrupted prune is deleted first.
+
+    Args:
+        directory: ``<project_dir>/checkpoints``.
+        total_limit: how many kwplug checkpoints to keep, >= 1.
+
+    Returns:
+        The folders deleted (their original paths).
+    """
+    for child in directory.iterdir():
+        leftover = _TRASH.fullmatch(child.name) is not None and child.is_dir()
+        if leftover and not child.is_symlink() and _only_kwplug_files(child):
+            shutil.rmtree(child)
+    ours = [f for _, f in sorted(numbered(directory).items()) if is_kwplug_checkpoint(f)]
+    deleted: list[Path] = []
+    for folder in ours[: max(len(ours) - total_limit, 0)]:
+        trash = directory / f".kwplug-trash-{folder.name}-{os.getpid()}"
+        try:
+            with lock.locked(folder):
+                os.replace(folder, trash)  # atomic: from here on nothing reads it
+        except CheckpointError:
+            continue  # another process is saving into it
+        commit.fsync_dir(directory)
+        shutil.rmtree(trash)
+        deleted.append(folder)
+    return deleted
+
+
+def load(accelerator: Accelerator, input_dir: str | os.PathLike[str] | None) -> Path:
+    """``load_state``: ``input_dir``, or the newest complete ``checkpoint_<n>`` with automatic
+    naming; with automatic naming, loading ``checkpoints/checkpoint_<n>`` sets ``iteration``
+    to ``n + 1``."""
+    config = accelerator.project_configuration
+    if input_dir is None:
+        if not config.automatic_checkpoint_naming:
+            raise ValueError(
+                "load_state() needs input_dir unless ProjectConfiguration("
+                "automatic_checkpoint_naming=True) names the folders"
+            )
+        checkpoints = root(accelerator)
+        found = [f for _, f in sorted(numbered(checkpoints).items()) if commit.is_complete(f)]
+        newest = _share(accelerator, str(found[-1]) if found else None)
+        if newest is None:
+            raise FileNotFoundError(f"no complete kwplug checkpoint_<n> folder in {checkpoints}")
+        input_dir = newest
+    loaded = api.load_state(accelerator, input_dir)
+    if config.automatic_checkpoint_naming:
+        folder = Path(input_dir).absolute()
+        match = _NAME.fullmatch(folder.name)
+        if match and folder.parent == root(accelerator):
+            config.iteration = int(match.group(1)) + 1
+    return loaded

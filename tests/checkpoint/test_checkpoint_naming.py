@@ -1,0 +1,236 @@
+"""Automatic checkpoint naming (``ProjectConfiguration(automatic_checkpoint_naming=True,
+total_limit=N)``): Accelerate's folder names, pruning only kwplug's own complete checkpoints
+after the commit, resuming the numbering, and the project folders as Accelerate keeps them."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import kwplug
+from kwplug.checkpoint import _commit as commit
+from kwplug.checkpoint import _naming as naming
+from kwplug.errors import KwplugWarning
+from kwplug.utils import ProjectConfiguration
+
+
+def _accelerator(project: Path, **config: Any) -> tuple[kwplug.Accelerator, torch.nn.Module]:
+    accelerator = kwplug.Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(
+            project_dir=str(project), automatic_checkpoint_naming=True, **config
+        ),
+    )
+    model = accelerator.prepare(torch.nn.Linear(2, 1))
+    return accelerator, model
+
+
+def _names(project: Path) -> list[str]:
+    return sorted(os.listdir(project / "checkpoints"))
+
+
+def test_same_folders_as_accelerate_after_saves_with_total_limit(tmp_path: Path) -> None:
+    from accelerate import Accelerator as AccelerateAccelerator
+    from accelerate.utils import ProjectConfiguration as AccelerateConfig
+
+    theirs = AccelerateAccelerator(
+        cpu=True,
+        project_config=AccelerateConfig(
+            project_dir=str(tmp_path / "a"), automatic_checkpoint_naming=True, total_limit=2
+        ),
+    )
+    theirs.prepare(torch.nn.Linear(2, 1))
+    ours, _ = _accelerator(tmp_path / "k", total_limit=2)
+    for _ in range(5):
+        theirs.save_state()
+        saved = ours.save_state()
+        assert _names(tmp_path / "k") == _names(tmp_path / "a")
+        assert saved == tmp_path / "k" / "checkpoints" / f"checkpoint_{ours.save_iteration - 1}"
+    assert _names(tmp_path / "k") == ["checkpoint_3", "checkpoint_4"]
+    assert ours.save_iteration == theirs.save_iteration == 5
+    folders = [tmp_path / "k" / "checkpoints" / name for name in _names(tmp_path / "k")]
+    assert all(commit.is_complete(folder) for folder in folders)
+
+
+def test_foreign_folders_are_neither_counted_nor_deleted(tmp_path: Path) -> None:
+    accelerator, _ = _accelerator(tmp_path, total_limit=1)
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "notes").mkdir(parents=True)
+    (checkpoints / "notes" / "a.txt").write_text("mine")
+    (checkpoints / "checkpoint_0").mkdir()  # the user's, under a kwplug name
+    (checkpoints / "checkpoint_0" / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"checkpoint_0 \(iteration 0\) already exists"):
+        accelerator.save_state()
+    accelerator.project_configuration.iteration = 1
+    accelerator.save_state()
+    accelerator.save_state()
+    assert _names(tmp_path) == ["checkpoint_0", "checkpoint_2", "notes"]
+    # A kwplug checkpoint folder holding a user's file is not kwplug's to delete either.
+    (checkpoints / "checkpoint_2" / "README").write_text("keep")
+    accelerator.save_state()
+    assert _names(tmp_path) == ["checkpoint_0", "checkpoint_2", "checkpoint_3", "notes"]
+    assert (checkpoints / "checkpoint_0" / "weights.bin").read_bytes() == b"x"
+
+
+def test_pruning_happens_only_after_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    accelerator, _ = _accelerator(tmp_path, total_limit=1)
+    accelerator.save_state()
+
+    def killed(step: str) -> None:
+        if step == "mark":
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(commit, "reached", killed)
+    with pytest.raises(kwplug.checkpoint.CheckpointError):
+        accelerator.save_state()
+    monkeypatch.undo()
+    # The failed save pruned nothing and did not count as an iteration.
+    assert commit.is_complete(tmp_path / "checkpoints" / "checkpoint_0")
+    assert accelerator.save_iteration == 1
+    # A killed save's leftover (kwplug's files, no complete version) is saved into again.
+    leftover = tmp_path / "checkpoints" / "checkpoint_1"
+    (leftover / "kwplug-00000001").mkdir(parents=True)
+    accelerator.save_state()
+    assert _names(tmp_path) == ["checkpoint_1"]
+    # Trash of a prune that was killed is finished off by the next prune.
+    trash = tmp_path / "checkpoints" / ".kwplug-trash-checkpoint_0-1"
+    (trash / "kwplug-00000001").mkdir(parents=True)
+    (trash / "kwplug-00000001" / "MANIFEST.json").write_text("{}")
+    accelerator.save_state()
+    assert _names(tmp_path) == ["checkpoint_2"]
+
+
+def test_resume_loads_the_newest_and_continues_numbering(tmp_path: Path) -> None:
+    accelerator, model = _accelerator(tmp_path)
+    saved = []
+    for value in (1.0, 2.0, 3.0):
+        with torch.no_grad():
+            model.weight.fill_(value)
+        saved.append(accelerator.save_state())
+    # An incomplete newer folder (a killed save) is not loaded.
+    (tmp_path / "checkpoints" / "checkpoint_7" / "kwplug-00000001").mkdir(parents=True)
+    resumed, model = _accelerator(tmp_path)
+    assert resumed.save_iteration == 0
+    resumed.load_state()
+    assert torch.equal(model.weight, torch.full((1, 2), 3.0))
+    assert resumed.save_iteration == 3
+    assert resumed.save_state() == tmp_path / "checkpoints" / "checkpoint_3"
+    # An explicit checkpoint_<n> sets the iteration too.
+    resumed.load_state(saved[0])
+    assert torch.equal(model.weight, torch.full((1, 2), 1.0))
+    assert resumed.save_iteration == 1
+
+
+def test_without_a_folder_or_project(tmp_path: Path) -> None:
+    plain = kwplug.Accelerator(cpu=True)
+    with pytest.raises(ValueError, match="needs output_dir"):
+        plain.save_state()
+    with pytest.raises(ValueError, match="needs input_dir"):
+        plain.load_state()
+    plain.save_state(tmp_path / "x")
+    assert plain.save_iteration == 1  # as in Accelerate, every save counts
+    nameless = kwplug.Accelerator(
+        cpu=True, project_config=ProjectConfiguration(automatic_checkpoint_naming=True)
+    )
+    with pytest.raises(ValueError, match="needs a project_dir"):
+        nameless.save_state()
+    empty, _ = _accelerator(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="no complete kwplug checkpoint_<n>"):
+        empty.load_state()
+
+
+def test_an_explicit_output_dir_is_ignored_as_in_accelerate(tmp_path: Path) -> None:
+    accelerator, _ = _accelerator(tmp_path / "p")
+    with pytest.warns(KwplugWarning, match="ignores its output_dir"):
+        saved = accelerator.save_state(tmp_path / "elsewhere")
+    assert saved == tmp_path / "p" / "checkpoints" / "checkpoint_0"
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_prune_skips_a_folder_another_process_is_saving_into(tmp_path: Path) -> None:
+    accelerator, _ = _accelerator(tmp_path)
+    accelerator.save_state()
+    accelerator.save_state()
+    checkpoints = tmp_path / "checkpoints"
+    with kwplug.checkpoint._lock.locked(checkpoints / "checkpoint_0"):
+        assert naming.prune(checkpoints, 1) == []
+    assert naming.prune(checkpoints, 1) == [checkpoints / "checkpoint_0"]
+    assert _names(tmp_path) == ["checkpoint_1"]
+
+
+@pytest.mark.parametrize(
+    ("project_dir", "config"),
+    [
+        ("p", None),
+        (None, {"project_dir": "a", "logging_dir": "b"}),
+        ("c", {"project_dir": "a"}),
+        ("c", {"logging_dir": "b"}),
+        (None, {}),
+    ],
+)
+def test_project_folders_as_accelerate(project_dir: str | None, config: Any) -> None:
+    from accelerate import Accelerator as AccelerateAccelerator
+    from accelerate.utils import ProjectConfiguration as AccelerateConfig
+
+    seen = []
+    for accelerator_class, config_class in (
+        (AccelerateAccelerator, AccelerateConfig),
+        (kwplug.Accelerator, ProjectConfiguration),
+    ):
+        project = None if config is None else config_class(**config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            accelerator = accelerator_class(
+                cpu=True, project_dir=project_dir, project_config=project
+            )
+        if project is not None:
+            assert accelerator.project_configuration is project
+        seen.append((accelerator.project_dir, accelerator.logging_dir, accelerator.save_iteration))
+    assert seen[0] == seen[1]
+
+
+def two_process_naming(project: str) -> dict[str, Any]:
+    """In each rank: saves with total_limit, a refused save, then a resume by load_state()."""
+    accelerator, model = _accelerator(Path(project), total_limit=2)
+    for value in (1.0, 2.0, 3.0):
+        with torch.no_grad():
+            model.module.weight.fill_(value)
+        accelerator.save_state()
+    accelerator.project_configuration.iteration = 1  # checkpoint_1 exists: every rank refuses
+    try:
+        accelerator.save_state()
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    with torch.no_grad():
+        model.module.weight.zero_()
+    accelerator.load_state()
+    result = {
+        "names": _names(Path(project)),
+        "iteration": accelerator.save_iteration,
+        "weight": model.module.weight.tolist(),
+        "refused": "already exists" in refused,
+    }
+    accelerator.end_training()
+    return result
+
+
+@pytest.mark.timeout(200)
+def test_two_processes_agree(tmp_path: Path) -> None:
+    from kwplug.testing import run_distributed
+
+    ranks = run_distributed(two_process_naming, str(tmp_path), nproc=2, timeout=180)
+    assert ranks[0] == ranks[1]
+    assert ranks[0] == {
+        "names": ["checkpoint_1", "checkpoint_2"],
+        "iteration": 3,
+        "weight": [[3.0, 3.0]],
+        "refused": True,
+    }
