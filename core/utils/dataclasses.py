@@ -118,8 +118,9 @@ class DataLoaderConfiguration:
             ``False``: each process gets whole batches, so the global batch is
             ``batch_size * num_processes``.
         dispatch_batches: ``None`` (default) or ``False``. Accelerate's ``True`` (rank 0 reads
-            every batch and sends each process its part) is refused: every kwplug rank reads
-            its own shard.
+            every batch and sends each process its part) is refused with a ``ValueError``:
+            every kwplug rank reads its own shard (an ``IterableDataset`` is read by every
+            rank, which keeps the slices Accelerate would have sent it).
         even_batches: ``bool``, default ``True``; complete the last global batch with samples
             from the start of the data set so that every process gets the same number of
             batches (``gather_for_metrics`` drops the duplicates again).
@@ -143,7 +144,12 @@ class DataLoaderConfiguration:
         default=None,
         validator=[
             optional_bool,
-            _not_true("every rank reads its own shard; use None or False"),
+            _not_true(
+                "kwplug never sends batches from the main process to the others; every rank "
+                "reads its own shard of the loader (of an IterableDataset, every rank iterates "
+                "it and keeps its slices: the per-rank batches of Accelerate's dispatching). "
+                "Use dispatch_batches=None or False"
+            ),
         ],
     )
     even_batches: bool = attrs.field(default=True, validator=strict_bool)
