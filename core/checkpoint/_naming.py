@@ -146,7 +146,14 @@ def save(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None) ->
     saved = api.save_state(accelerator, target)
     config.iteration += 1
     if config.total_limit is not None and accelerator.is_main_process:
-        prune(checkpoints, config.total_limit)
+        try:
+            prune(checkpoints, config.total_limit)
+        except OSError as exc:  # the save is committed: a failed clean-up must not undo it
+            warnings.warn(
+                f"total_limit: could not delete an old checkpoint in {checkpoints}: {exc}",
+                KwplugWarning,
+                stacklevel=3,
+            )
     return saved
 
 
@@ -195,13 +202,16 @@ def load(accelerator: Accelerator, input_dir: str | os.PathLike[str] | None) -> 
                 "automatic_checkpoint_naming=True) names the folders"
             )
         checkpoints = root(accelerator)
-        found = [f for _, f in sorted(numbered(checkpoints).items()) if commit.is_complete(f)]
-        newest = _share(accelerator, str(found[-1]) if found else None)
+        newest = None
+        if accelerator.is_main_process:
+            found = [f for _, f in sorted(numbered(checkpoints).items()) if commit.is_complete(f)]
+            newest = str(found[-1]) if found else None
+        newest = _share(accelerator, newest)
         if newest is None:
             raise FileNotFoundError(f"no complete kwplug checkpoint_<n> folder in {checkpoints}")
         input_dir = newest
     loaded = api.load_state(accelerator, input_dir)
-    if config.automatic_checkpoint_naming:
+    if config.automatic_checkpoint_naming and config.project_dir is not None:
         folder = Path(input_dir).absolute()
         match = _NAME.fullmatch(folder.name)
         if match and folder.parent == root(accelerator):

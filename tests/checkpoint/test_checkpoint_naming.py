@@ -107,6 +107,20 @@ def test_pruning_happens_only_after_the_commit(
     assert _names(tmp_path) == ["checkpoint_2"]
 
 
+def test_a_failed_prune_warns_and_keeps_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    accelerator, _ = _accelerator(tmp_path, total_limit=1)
+
+    def refuse(directory: Path, total_limit: int) -> list[Path]:
+        raise PermissionError(13, "Permission denied", str(directory))
+
+    monkeypatch.setattr(naming, "prune", refuse)
+    with pytest.warns(KwplugWarning, match="could not delete an old checkpoint"):
+        saved = accelerator.save_state()
+    assert commit.is_complete(saved) and accelerator.save_iteration == 1
+
+
 def test_resume_loads_the_newest_and_continues_numbering(tmp_path: Path) -> None:
     accelerator, model = _accelerator(tmp_path)
     saved = []
