@@ -119,7 +119,21 @@ def _refusal(target: Path, iteration: int) -> str | None:
 
 def save(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None) -> Path:
     """``save_state``: into ``output_dir``, or the next ``checkpoint_<i>`` with automatic naming;
-    then ``iteration += 1`` and, with ``total_limit``, :func:`prune`."""
+    then ``iteration += 1`` and, with ``total_limit``, :func:`prune` (main process).
+
+    Args:
+        accelerator: the ``Accelerator`` saving (every rank calls this).
+        output_dir: the checkpoint directory; ``None`` only with automatic naming, which
+            ignores it otherwise (with a ``KwplugWarning``, as Accelerate ignores it silently).
+
+    Returns:
+        The checkpoint directory written.
+
+    Raises:
+        ValueError: no ``output_dir`` and no automatic naming; no ``project_dir``;
+            ``checkpoint_<iteration>`` exists (other than a killed save's leftover).
+        CheckpointError: from :func:`kwplug.checkpoint.save_state` (nothing is pruned then).
+    """
     config = accelerator.project_configuration
     if not config.automatic_checkpoint_naming:
         if output_dir is None:
@@ -193,7 +207,20 @@ def prune(directory: Path, total_limit: int) -> list[Path]:
 def load(accelerator: Accelerator, input_dir: str | os.PathLike[str] | None) -> Path:
     """``load_state``: ``input_dir``, or the newest complete ``checkpoint_<n>`` with automatic
     naming; with automatic naming, loading ``checkpoints/checkpoint_<n>`` sets ``iteration``
-    to ``n + 1``."""
+    to ``n + 1``.
+
+    Args:
+        accelerator: the ``Accelerator`` loading (every rank calls this).
+        input_dir: the checkpoint directory, or ``None`` (automatic naming only).
+
+    Returns:
+        The version folder read.
+
+    Raises:
+        ValueError: no ``input_dir`` and no automatic naming; no ``project_dir``.
+        FileNotFoundError: no complete ``checkpoint_<n>`` (or no checkpoint at ``input_dir``).
+        CheckpointError: from :func:`kwplug.checkpoint.load_state`.
+    """
     config = accelerator.project_configuration
     if input_dir is None:
         if not config.automatic_checkpoint_naming:
