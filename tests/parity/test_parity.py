@@ -50,7 +50,15 @@ class Runs:
             if scenario.requires and importlib.util.find_spec(scenario.requires) is None:
                 pytest.skip(f"{name} needs {scenario.requires!r}, not installed")
             work = self.root / f"{name}-{system}-{nproc}p"
-            self.done[key] = harness.run_scenario(scenario, system, nproc, work)
+            done = harness.run_scenario(scenario, system, nproc, work)
+            if system == "accelerate" and any(run.failure() for run in done):
+                # Accelerate's own 2-process runs sometimes abort at exit under load ("terminate
+                # called without an active exception"); the reference is not what is under test,
+                # so it gets one fresh retry. kwplug's runs never do.
+                done = harness.run_scenario(
+                    scenario, system, nproc, work.with_name(work.name + "-retry")
+                )
+            self.done[key] = done
         return self.done[key]
 
 
