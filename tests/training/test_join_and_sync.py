@@ -3,16 +3,20 @@ two CPU processes with DDP, against torch's own ``Join`` and a hand-made all-red
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import kwplug
 from kwplug.errors import KwplugWarning
+from kwplug.handler import TO_KWARGS
 from kwplug.testing import run_distributed
 
 SAMPLES = 7  # batch size 1 over 2 ranks: 4 and 3 batches when even_batches=False
@@ -159,3 +163,33 @@ def not_joinable_worker() -> list[str]:
 def test_not_joinable_warns_and_does_nothing(nproc: int) -> None:
     for messages in run_distributed(not_joinable_worker, nproc=nproc, timeout=120):
         assert len(messages) == 1 and "Joinable" in messages[0] and "Linear" in messages[0]
+
+
+@attrs.define
+class _Wrapper(kwplug.KwargsHandler):
+    """A third-party wrapper plugin answering sync_in_backward for its own model."""
+
+    model: torch.nn.Module | None = attrs.field(default=None, metadata={TO_KWARGS: False})
+    entered: int = attrs.field(default=0, metadata={TO_KWARGS: False})
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        self.entered += 1
+        yield
+
+    @kwplug.hookimpl
+    def sync_in_backward(self, model: torch.nn.Module) -> Any:
+        return self._context() if model is self.model else None
+
+
+def test_hook_sync_in_backward() -> None:
+    model, other = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    wrapper = _Wrapper(model)
+    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[wrapper])
+    with accelerator.trigger_sync_in_backward(model):
+        pass
+    assert wrapper.entered == 1
+    assert "_Wrapper" in (accelerator.plan["sync_in_backward"].plugin or "")
+    # Not its model: the DDP handler declines too (not DDP), so a null context.
+    assert isinstance(accelerator.trigger_sync_in_backward(other), contextlib.nullcontext)
+    assert wrapper.entered == 1
