@@ -146,3 +146,13 @@ def test_resume_mid_accumulation_is_bitwise_exact(tmp_path: Path, nproc: int) ->
         assert skipped[BOUNDARY - 1] is False and any(skipped[MIDDLE:])
     if nproc == 2:  # the ranks' local grads differ before the synchronising step
         assert not torch.equal(before[0]["fp32"]["grads"][0], before[1]["fp32"]["grads"][0])
+
+
+def test_a_boundary_checkpoint_restarts_the_count(tmp_path: Path) -> None:
+    run = _prepared("fp32")
+    _train(run, stop=BOUNDARY)
+    run[0].save_state(tmp_path / "boundary")
+    _train(run, stop=2)
+    assert run[0].gradient_state.state_dict() == {"step": MIDDLE, "sync_gradients": False}
+    run[0].load_state(tmp_path / "boundary")  # no accumulation file in it
+    assert run[0].gradient_state.state_dict() == {"step": 0, "sync_gradients": True}
