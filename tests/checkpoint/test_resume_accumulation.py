@@ -156,3 +156,31 @@ def test_a_boundary_checkpoint_restarts_the_count(tmp_path: Path) -> None:
     assert run[0].gradient_state.state_dict() == {"step": MIDDLE, "sync_gradients": False}
     run[0].load_state(tmp_path / "boundary")  # no accumulation file in it
     assert run[0].gradient_state.state_dict() == {"step": 0, "sync_gradients": True}
+
+
+def _alternating(tmp_path: Path, save: bool) -> float:
+    import kwplug
+
+    handler = kwplug.GradScalerKwargs(init_scale=1024.0, growth_interval=1)
+    accelerator = kwplug.Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[handler])
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    opt1, _ = accelerator.prepare(
+        torch.optim.SGD(first.parameters(), lr=0.1), torch.optim.SGD(second.parameters(), lr=0.1)
+    )
+    if save:  # only the first optimizer steps: an update is owed
+        accelerator.backward(first(torch.ones(1, 2)).sum())
+        opt1.step()
+        opt1.zero_grad()
+        accelerator.save_state(tmp_path)
+    else:  # a fresh Accelerator resuming from the checkpoint
+        accelerator.load_state(tmp_path)
+    accelerator.backward(first(torch.ones(1, 2)).sum())  # makes the owed update, if any
+    assert accelerator.scaler is not None
+    return accelerator.scaler.get_scale()
+
+
+def test_the_scaler_update_owed_to_the_last_step_is_saved(tmp_path: Path) -> None:
+    # One optimizer of two stepped: GradScaler.update() waits for the next backward. The save
+    # makes it, so the resumed scaler has the scale the uninterrupted run goes on with.
+    assert _alternating(tmp_path, save=True) == _alternating(tmp_path, save=False) == 2048.0
