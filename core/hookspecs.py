@@ -12,9 +12,9 @@ defaults. For ``firstresult`` hooks the first answer that is not ``None`` wins, 
 others.
 
 The core calls these hooks at construction, in ``prepare()``, in ``autocast(handler)`` when a
-per-call handler is given, at each entry of ``profile()``, and ``no_sync`` on the accumulation
-steps of ``accumulate()`` that skip gradient synchronisation -- no other hook per training
-step.
+per-call handler is given, at each entry of ``profile()``, ``no_sync`` on the accumulation
+steps of ``accumulate()`` that skip gradient synchronisation and ``sync_in_backward`` in
+``trigger_sync_in_backward()`` -- no other hook per training step.
 """
 
 from __future__ import annotations
@@ -236,6 +236,22 @@ class HandlerSpec:
         Called by: ``Accelerator.no_sync(model)``, which ``Accelerator.accumulate(*models)``
         enters for each model on the micro-batches that do not end an accumulation (not at
         all with ``gradient_accumulation_steps=1``). ``firstresult``: yes.
+        """
+
+    @spec(ONE_ANSWER)
+    def sync_in_backward(self, model: torch.nn.Module) -> AbstractContextManager[Any] | None:
+        """Return a context manager in which ``model``'s next backward synchronises the
+        gradients, even when its forward ran under :meth:`no_sync`; or ``None``.
+
+        Args:
+            model: a model returned by ``Accelerator.prepare`` (the wrapper a plugin built).
+
+        Returns:
+            A fresh, not yet entered context manager (the built-in DDP handler re-arms the
+            reducer), or ``None`` for "not mine". If no plugin answers,
+            ``Accelerator.trigger_sync_in_backward`` is ``contextlib.nullcontext()``.
+
+        Called by: ``Accelerator.trigger_sync_in_backward(model)``. ``firstresult``: yes.
         """
 
     @spec(ADDITIVE)

@@ -1,5 +1,4 @@
-"""``DistributedDataParallelKwargs``: answers ``wrap_model`` with
-``torch.nn.parallel.DistributedDataParallel`` and registers its communication hook."""
+"""``DistributedDataParallelKwargs``: the DDP wrapper, its communication hook, ``no_sync``."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from kwplug.errors import KwplugWarning
 from kwplug.handler import TO_KWARGS, KwargsHandler
 from kwplug.hookspecs import hookimpl
 from kwplug.plugins import ddp_comm_hooks
+from kwplug.plugins._ddp_sync import SyncInBackward
 from kwplug.validators import number, strict_bool
 
 
@@ -134,7 +134,7 @@ MAX_BUCKET_CAP_MB = 1_000_000
 
 
 @attrs.define
-class DistributedDataParallelKwargs(KwargsHandler):
+class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
     """Options of ``torch.nn.parallel.DistributedDataParallel`` and of its communication hook.
 
     When the Accelerator runs in more than one process, ``prepare(model)`` returns

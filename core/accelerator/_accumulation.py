@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 import torch
 
+from kwplug.accelerator import _join
 from kwplug.data import ActiveLoaders
 from kwplug.utils.dataclasses import GradientAccumulationPlugin, ProjectConfiguration
 
@@ -182,6 +183,46 @@ class _GradientAccumulation:
         """
         context = self._setup.plugins.call_first("no_sync", model=model).result
         return contextlib.nullcontext() if context is None else context
+
+    def trigger_sync_in_backward(
+        self, model: torch.nn.Module
+    ) -> contextlib.AbstractContextManager[Any]:
+        """A context in which the next backward of ``model`` synchronises the gradients it
+        accumulated, although its forward ran under :meth:`no_sync` (Accelerate's method of
+        the same name; here an instance method).
+
+        The context comes from the ``sync_in_backward`` hook (the built-in DDP handler
+        re-arms ``DistributedDataParallel``'s reducer); ``contextlib.nullcontext()`` when no
+        plugin answers (a single process, a model that is not wrapped).
+        """
+        return _join.sync_in_backward(self._setup.plugins, model)
+
+    def join_uneven_inputs(
+        self, joinables: Any, even_batches: bool | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """A context for training or evaluating on inputs of uneven length across processes:
+        ``torch.distributed.algorithms.Join`` over ``joinables``, so that a rank out of
+        batches shadows the others' collectives instead of hanging.
+
+        Join is enabled only when the batches are uneven: with ``even_batches`` (default:
+        ``dataloader_config.even_batches``) every rank gets as many batches. A given
+        ``even_batches`` overrides the prepared map-style data loaders' setting inside the
+        context (iterable-style ones keep theirs, with a warning). In one process it does
+        nothing; with joinables that are not torch ``Joinable`` (a model not wrapped in
+        DDP) it warns and does nothing, as Accelerate.
+
+        Args:
+            joinables: the DDP models (and ``ZeroRedundancyOptimizer`` s) to join.
+            even_batches: ``bool`` overriding the loaders' ``even_batches``; ``None``
+                (default) keeps it.
+        """
+        return _join.join_uneven_inputs(
+            world_size=self._setup.process.world_size,
+            loaders=self._prepared.dataloaders,
+            default_even_batches=self._prepared.dataloader_config.even_batches,
+            joinables=joinables,
+            even_batches=even_batches,
+        )
 
     @property
     def sync_gradients(self) -> bool:

@@ -124,6 +124,11 @@ class _Checkpoints:
         feedback and step counter). Every rank must call it; see :mod:`kwplug.checkpoint` for
         the layout and the crash-safety guarantees.
 
+        Saved between two micro-batches of :meth:`accumulate` (``sync_gradients`` false), it
+        also saves each rank's pending ``.grad`` of the prepared models (local, unsynchronised
+        under DDP) and the micro-batch count, so that the resumed run is bitwise the
+        uninterrupted one; at a synchronising boundary nothing more is written.
+
         A sharded model (``DTensor`` parameters, e.g. from FSDP2's ``fully_shard``) is saved
         as its full state dict, gathered to rank 0 through
         ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (same keys and
@@ -151,7 +156,9 @@ class _Checkpoints:
             kwplug.checkpoint.CheckpointError: another process is saving into
                 ``output_dir`` (naming its host and pid); a write failed (disk full: the
                 unfinished version is removed, the previous one kept); state that a
-                checkpoint cannot hold (only tensors, NumPy arrays and JSON values).
+                checkpoint cannot hold (only tensors, NumPy arrays and JSON values); a save
+                mid-accumulation of a sharded model, or between unscaling the gradients and
+                the optimizer step.
             NotImplementedError: an optimizer steps a sharded model's parameters together
                 with parameters outside that model.
         """

@@ -6,6 +6,7 @@ One module per concern:
 - :mod:`~kwplug.checkpoint._plan`: what a checkpoint holds (one ``Stateful`` per file);
 - :mod:`~kwplug.checkpoint._stateful`: adapters to torch's ``Stateful`` protocol, and
   :func:`attach_state` for wrapper plugins' per-rank state;
+- :mod:`~kwplug.checkpoint._accumulation`: an unfinished gradient accumulation (per rank);
 - :mod:`~kwplug.checkpoint._codec`: state files as safetensors + JSON (no pickles);
 - :mod:`~kwplug.checkpoint._manifest`, :mod:`~kwplug.checkpoint._checks`: verification before
   anything is loaded;

@@ -84,6 +84,8 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str]) -> 
             state = entry.target.state_dict()  # collective entries: on every rank
             if error is not None or not (main or entry.scope == "each"):
                 continue
+            if entry.sparse and not state:
+                continue
             try:
                 data = codec.encode(state, {"class": entry.kind})
                 codec.write_file(staging / entry.file, data)
@@ -182,7 +184,7 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str]) -> P
     if others:
         raise CheckpointError(f"another rank refused {directory}: {others[0]}", directory)
     for entry in entries:  # verified on every rank: from here on, load
-        if entry.file in states or entry.scope == "collective":
+        if entry.file in states or entry.scope == "collective" or entry.sparse:
             entry.target.load_state_dict(states.get(entry.file, {}))
     acc.wait_for_everyone()
     return directory

@@ -13,6 +13,9 @@ A checkpoint directory ``DIR`` (which may hold anything else too)::
         rank_<r>.safetensors        per rank: RNG states, data loader positions, states
                                     attached by wrapper plugins (communication hooks),
                                     plugins' handler_state
+        accumulation_<r>.safetensors  per rank, only when saved in the middle of a
+                                    gradient accumulation: the models' local .grad, the
+                                    micro-batch count, the optimizers' per-step flags
         MANIFEST.json               every file above with its size and sha256
         COMPLETE                    written last: a version without it does not exist
     .kwplug-trash-<n>-<pid>/      a version being deleted (never read)
@@ -33,7 +36,7 @@ SCALER = "scaler.safetensors"
 _VERSION = re.compile(r"kwplug-(\d{8})")
 _TRASH = re.compile(r"\.kwplug-trash-(\d{8})-\d+")
 _OWN_FILE = re.compile(
-    r"(model|optimizer|custom|rank)_\d+\.safetensors|scaler\.safetensors"
+    r"(model|optimizer|custom|rank|accumulation)_\d+\.safetensors|scaler\.safetensors"
     r"|MANIFEST\.json|COMPLETE|\.COMPLETE\.tmp"
 )
 
@@ -58,9 +61,14 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank}.safetensors"
 
 
+def accumulation_file(rank: int) -> str:
+    """File of process ``rank``'s unfinished gradient accumulation."""
+    return f"accumulation_{rank}.safetensors"
+
+
 def is_rank_file(name: str) -> bool:
-    """True for the name of a per-rank state file."""
-    return name.startswith("rank_") and _OWN_FILE.fullmatch(name) is not None
+    """True for the name of a per-rank state file (``rank_<r>``, ``accumulation_<r>``)."""
+    return name.startswith(("rank_", "accumulation_")) and _OWN_FILE.fullmatch(name) is not None
 
 
 def is_own_file(name: str) -> bool:

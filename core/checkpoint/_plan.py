@@ -11,6 +11,7 @@ import attrs
 
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _sharded as sharded
+from kwplug.checkpoint._accumulation import PendingAccumulation
 from kwplug.checkpoint._checks import qualified_name
 from kwplug.checkpoint._stateful import (
     RankState,
@@ -36,6 +37,7 @@ class Entry:
     scope: Scope
     kind: str  # module.Class of what is saved, stored with it (an optimizer's is checked)
     optional: bool = False  # loaded only when the file exists (the scaler: fp16 only)
+    sparse: bool = False  # not written when its state is {}; loaded with {} when absent
 
 
 def entries(accelerator: Accelerator) -> list[Entry]:
@@ -63,6 +65,15 @@ def entries(accelerator: Accelerator) -> list[Entry]:
         else:
             file = layout.optimizer_file(i)
             plan.append(Entry(file, optimizer, "main", qualified_name(optimizer)))
+    pending = PendingAccumulation(
+        world_size=acc.num_processes,
+        gradient_state=acc.gradient_state,
+        modules=modules,
+        optimizers=acc._optimizers,
+        scaler_updates=acc._prepared.scaler_updates,
+    )  # before the scaler: it makes the update the last step still owes
+    file = layout.accumulation_file(acc.process_index)
+    plan.append(Entry(file, pending, "each", qualified_name(pending), optional=True, sparse=True))
     if acc.scaler is not None:
         kind = qualified_name(acc.scaler)
         plan.append(Entry(layout.SCALER, acc.scaler, "main", kind, optional=True))

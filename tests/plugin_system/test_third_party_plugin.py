@@ -197,7 +197,7 @@ def test_cli_plugins_lists_every_plugin_with_status(site: Path) -> None:
     assert rows["broken"]["status"] == "failed"  # one word: the table stays readable
     assert rows["broken"]["error"].startswith("ImportError: this plugin is broken")
     assert (
-        rows["ddp"]["hooks"] == ["no_sync", "validate_setup", "wrap_model"]
+        rows["ddp"]["hooks"] == ["no_sync", "sync_in_backward", "validate_setup", "wrap_model"]
         and rows["ddp"]["source"] == "built-in"
     )
     # The names shown are the names the controls accept.

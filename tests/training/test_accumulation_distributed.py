@@ -182,6 +182,14 @@ def fsdp_worker() -> dict[str, Any]:
     )
     model = _model()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    toggles: list[bool] = []
+    original = model.set_requires_gradient_sync
+
+    def counted(requires: bool, *args: Any, **kwargs: Any) -> None:
+        toggles.append(requires)
+        original(requires, *args, **kwargs)
+
+    model.set_requires_gradient_sync = counted  # what the plugin's no_sync calls
     syncs = []
     for index in range(ROUNDS * STEPS):
         x, y = _micro_batch(accelerator.process_index, index)
@@ -191,7 +199,12 @@ def fsdp_worker() -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
     full = [p.full_tensor().detach().clone() for p in model.parameters()]
-    return {"weights": full, "syncs": syncs, "no_sync": accelerator.plan["no_sync"].plugin}
+    return {
+        "weights": full,
+        "syncs": syncs,
+        "toggles": toggles,
+        "no_sync": accelerator.plan["no_sync"].plugin,
+    }
 
 
 def test_fsdp2_plugin_accumulates() -> None:
@@ -201,5 +214,7 @@ def test_fsdp2_plugin_accumulates() -> None:
     for rank in ranks:
         assert rank["no_sync"] is not None and "fsdp" in rank["no_sync"]
         assert rank["syncs"] == [False, False, True] * ROUNDS
+        # Off and back on around each non-synchronising micro-batch, never on a sync step.
+        assert rank["toggles"] == [False, True] * (ROUNDS * (STEPS - 1))
         for ours, theirs in zip(rank["weights"], reference, strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
