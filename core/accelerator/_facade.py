@@ -172,19 +172,10 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving, _Checkpoints, _Data
         return cls(**{**load_config(source), **overrides})
 
     @property
-    def is_main_process(self) -> bool:
-        """True on global rank 0."""
-        return self.process_index == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        """True on local rank 0 (one process per node)."""
-        return self.local_process_index == 0
-
-    @property
     def distributed(self) -> bool:
-        """True when more than one process trains (``num_processes > 1``)."""
-        return self.num_processes > 1
+        """True when more than one process trains (``num_processes > 1``; kwplug's name of
+        ``use_distributed``)."""
+        return self.use_distributed
 
     # -- prepare (kwplug.accelerator._prepare) -----------------------------------------------
 
