@@ -14,15 +14,18 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from kwplug.plugins.autocast import AutocastKwargs
-    from kwplug.plugins.ddp import DDPCommunicationHookType, DistributedDataParallelKwargs
-    from kwplug.plugins.grad_scaler import GradScalerKwargs
-    from kwplug.plugins.process_group import InitProcessGroupKwargs
-    from kwplug.plugins.profile import ProfileKwargs
-    from kwplug.plugins.trackers import JSONLinesTracker, TensorBoardTracker
+if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
+    from kwplug.plugins.autocast import AutocastKwargs as AutocastKwargs
+    from kwplug.plugins.ddp import DDPCommunicationHookType as DDPCommunicationHookType
+    from kwplug.plugins.ddp import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+    from kwplug.plugins.grad_scaler import GradScalerKwargs as GradScalerKwargs
+    from kwplug.plugins.process_group import InitProcessGroupKwargs as InitProcessGroupKwargs
+    from kwplug.plugins.profile import ProfileKwargs as ProfileKwargs
+    from kwplug.plugins.trackers import JSONLinesTracker as JSONLinesTracker
+    from kwplug.plugins.trackers import TensorBoardTracker as TensorBoardTracker
 
-#: Re-exported name -> the module (in this package) defining it.
+#: Re-exported name -> the module (in this package) defining it; the one list of the
+#: names at run time (``__all__`` derives from it).
 _EXPORTS: dict[str, str] = {
     "AutocastKwargs": "autocast",
     "DDPCommunicationHookType": "ddp",
@@ -34,16 +37,7 @@ _EXPORTS: dict[str, str] = {
     "TensorBoardTracker": "trackers",
 }
 
-__all__ = [
-    "AutocastKwargs",
-    "DDPCommunicationHookType",
-    "DistributedDataParallelKwargs",
-    "GradScalerKwargs",
-    "InitProcessGroupKwargs",
-    "JSONLinesTracker",
-    "ProfileKwargs",
-    "TensorBoardTracker",
-]
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
