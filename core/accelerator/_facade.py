@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader
 
+from kwplug._environment import end_process_group
 from kwplug._plugins import Answer, KwplugPluginManager
 from kwplug.accelerator import _metrics, _ops
 from kwplug.accelerator._accumulation import GradientState, _GradientAccumulation
@@ -22,7 +23,6 @@ from kwplug.accelerator._process_api import _DataAndProcessAPI
 from kwplug.accelerator._setup import _Setup, resolve
 from kwplug.accelerator._tracking import LogWith, _Trackers
 from kwplug.comm_hooks import CommHook
-from kwplug.environment import end_process_group
 from kwplug.handler import KwargsHandler
 from kwplug.optimizer import AcceleratedOptimizer
 from kwplug.utils.dataclasses import (
