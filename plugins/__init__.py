@@ -11,8 +11,9 @@ imported.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kwplug._lazy import exporter
 
 if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.plugins.autocast import AutocastKwargs as AutocastKwargs
@@ -27,27 +28,17 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
 #: Re-exported name -> the module (in this package) defining it; the one list of the
 #: names at run time (``__all__`` derives from it).
 _EXPORTS: dict[str, str] = {
-    "AutocastKwargs": "autocast",
-    "DDPCommunicationHookType": "ddp",
-    "DistributedDataParallelKwargs": "ddp",
-    "GradScalerKwargs": "grad_scaler",
-    "InitProcessGroupKwargs": "process_group",
-    "ProfileKwargs": "profile",
-    "JSONLinesTracker": "trackers",
-    "TensorBoardTracker": "trackers",
+    "AutocastKwargs": ".autocast",
+    "DDPCommunicationHookType": ".ddp",
+    "DistributedDataParallelKwargs": ".ddp",
+    "GradScalerKwargs": ".grad_scaler",
+    "InitProcessGroupKwargs": ".process_group",
+    "ProfileKwargs": ".profile",
+    "JSONLinesTracker": ".trackers",
+    "TensorBoardTracker": ".trackers",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = exporter(globals(), _EXPORTS)

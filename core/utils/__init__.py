@@ -23,8 +23,9 @@ Modules, named as Accelerate's:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kwplug._lazy import exporter
 
 if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.plugins import AutocastKwargs as AutocastKwargs
@@ -194,14 +195,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kwplug.utils' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = exporter(globals(), _EXPORTS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 
 import pytest
@@ -33,8 +34,7 @@ def _type_checking_imports(package: str) -> dict[str, str]:
 def test_type_checking_imports_match_the_exports_table(package: str) -> None:
     module = importlib.import_module(package)
     exports = {  # kwplug.plugins names its modules relative to itself
-        name: where if where.startswith("kwplug") else f"{package}.{where}"
-        for name, where in module._EXPORTS.items()
+        name: importlib.util.resolve_name(where, package) for name, where in module._EXPORTS.items()
     }
     assert _type_checking_imports(package) == exports
     assert sorted(set(module.__all__) - {"__version__"}) == sorted(exports)
