@@ -10,8 +10,9 @@ is imported on first use (PEP 562), so ``import kwplug`` imports none of them.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from kwplug._lazy import exporter
 
 if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug._plugins import Answer as Answer
@@ -67,18 +68,12 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 
+_lazy_getattr, __dir__ = exporter(globals(), _EXPORTS)
+
+
 def __getattr__(name: str) -> Any:
     if name == "__version__":  # from the installed metadata, read on first use
         import importlib_metadata
 
         return importlib_metadata.version("kwplug")
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kwplug' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return [*__all__, *(n for n in globals() if n.startswith("__"))]
+    return _lazy_getattr(name)

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kwplug._additive import merge
+
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
@@ -151,27 +153,23 @@ def merge_comm_hooks(
         TypeError: an answer is not a mapping of ``str`` to :class:`CommHook`.
         ValueError: two sources give the same name; the message names both.
     """
-    merged: dict[str, CommHook] = dict(_REGISTRY)
-    for plugin_name, answer in contributions:
-        if answer is None:
-            continue
-        if not isinstance(answer, Mapping):
+
+    def entry(plugin_name: str, name: Any, record: Any) -> tuple[CommHook, str]:
+        if not isinstance(record, CommHook):
             raise TypeError(
-                f"plugin {plugin_name!r}: comm_hooks must return a mapping of name to "
-                f"kwplug.CommHook, got {type(answer).__name__}"
+                f"plugin {plugin_name!r}: comm_hooks()[{name!r}] must be a kwplug.CommHook, "
+                f"got {type(record).__name__}"
             )
-        for name, record in answer.items():
-            if not isinstance(record, CommHook):
-                raise TypeError(
-                    f"plugin {plugin_name!r}: comm_hooks()[{name!r}] must be a kwplug.CommHook, "
-                    f"got {type(record).__name__}"
-                )
-            if record.source == "unknown":
-                record = attrs.evolve(record, source=plugin_name)
-            if name in merged:
-                raise ValueError(
-                    f"communication hook {name!r} is provided twice: by {merged[name].source} "
-                    f"and by {record.source}; block one of the plugins or rename the hook"
-                )
-            merged[name] = record
-    return merged
+        if record.source == "unknown":
+            record = attrs.evolve(record, source=plugin_name)
+        return record, record.source
+
+    return merge(
+        "comm_hooks",
+        contributions,
+        entry=entry,
+        label="communication hook",
+        kind="kwplug.CommHook",
+        remedy="block one of the plugins or rename the hook",
+        start={name: (record, record.source) for name, record in _REGISTRY.items()},
+    )

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
+from kwplug._additive import merge
+
 __all__ = ["GeneralTracker", "TrackerFactory", "merge_trackers"]
 
 
@@ -107,27 +109,20 @@ def merge_trackers(
         TypeError: an answer is not a mapping of ``str`` to a callable.
         ValueError: two plugins give the same tracker name; the message names both.
     """
-    merged: dict[str, TrackerFactory] = {}
-    owners: dict[str, str] = {}
-    for plugin, answer in contributions:
-        if answer is None:
-            continue
-        if not isinstance(answer, Mapping):
+
+    def entry(plugin: str, name: Any, factory: Any) -> tuple[TrackerFactory, str]:
+        if not isinstance(name, str) or not callable(factory):
             raise TypeError(
-                f"plugin {plugin}: trackers must return a mapping of name to tracker factory, "
-                f"got {type(answer).__name__}"
+                f"plugin {plugin!r}: trackers()[{name!r}] must map a str to a callable "
+                f"tracker factory, got {type(factory).__name__}"
             )
-        for name, factory in answer.items():
-            if not isinstance(name, str) or not callable(factory):
-                raise TypeError(
-                    f"plugin {plugin}: trackers()[{name!r}] must map a str to a callable "
-                    f"tracker factory, got {type(factory).__name__}"
-                )
-            if name in merged:
-                raise ValueError(
-                    f"tracker name {name!r} is contributed twice: by {owners[name]} and by "
-                    f"{plugin}; block one of them (KWPLUG_BLOCK_PLUGINS)"
-                )
-            merged[name] = factory
-            owners[name] = plugin
-    return merged
+        return factory, plugin
+
+    return merge(
+        "trackers",
+        contributions,
+        entry=entry,
+        label="tracker name",
+        kind="tracker factory",
+        remedy="block one of them (KWPLUG_BLOCK_PLUGINS)",
+    )

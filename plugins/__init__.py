@@ -11,49 +11,34 @@ imported.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kwplug.plugins.autocast import AutocastKwargs
-    from kwplug.plugins.ddp import DDPCommunicationHookType, DistributedDataParallelKwargs
-    from kwplug.plugins.grad_scaler import GradScalerKwargs
-    from kwplug.plugins.process_group import InitProcessGroupKwargs
-    from kwplug.plugins.profile import ProfileKwargs
-    from kwplug.plugins.trackers import JSONLinesTracker, TensorBoardTracker
+from kwplug._lazy import exporter
 
-#: Re-exported name -> the module (in this package) defining it.
+if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
+    from kwplug.plugins.autocast import AutocastKwargs as AutocastKwargs
+    from kwplug.plugins.ddp import DDPCommunicationHookType as DDPCommunicationHookType
+    from kwplug.plugins.ddp import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+    from kwplug.plugins.grad_scaler import GradScalerKwargs as GradScalerKwargs
+    from kwplug.plugins.process_group import InitProcessGroupKwargs as InitProcessGroupKwargs
+    from kwplug.plugins.profile import ProfileKwargs as ProfileKwargs
+    from kwplug.plugins.trackers import JSONLinesTracker as JSONLinesTracker
+    from kwplug.plugins.trackers import TensorBoardTracker as TensorBoardTracker
+
+#: Re-exported name -> the module (in this package) defining it; the one list of the
+#: names at run time (``__all__`` derives from it).
 _EXPORTS: dict[str, str] = {
-    "AutocastKwargs": "autocast",
-    "DDPCommunicationHookType": "ddp",
-    "DistributedDataParallelKwargs": "ddp",
-    "GradScalerKwargs": "grad_scaler",
-    "InitProcessGroupKwargs": "process_group",
-    "ProfileKwargs": "profile",
-    "JSONLinesTracker": "trackers",
-    "TensorBoardTracker": "trackers",
+    "AutocastKwargs": ".autocast",
+    "DDPCommunicationHookType": ".ddp",
+    "DistributedDataParallelKwargs": ".ddp",
+    "GradScalerKwargs": ".grad_scaler",
+    "InitProcessGroupKwargs": ".process_group",
+    "ProfileKwargs": ".profile",
+    "JSONLinesTracker": ".trackers",
+    "TensorBoardTracker": ".trackers",
 }
 
-__all__ = [
-    "AutocastKwargs",
-    "DDPCommunicationHookType",
-    "DistributedDataParallelKwargs",
-    "GradScalerKwargs",
-    "InitProcessGroupKwargs",
-    "JSONLinesTracker",
-    "ProfileKwargs",
-    "TensorBoardTracker",
-]
+__all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = exporter(globals(), _EXPORTS)

@@ -19,6 +19,14 @@ _NCCL_TIMEOUT = timedelta(seconds=600)
 _OTHER_TIMEOUT = timedelta(seconds=1800)
 #: Shortest accepted ``timeout``, in seconds.
 MIN_TIMEOUT_SECONDS = 1
+_ACCEPTED_TIMEOUT = (
+    f"accepted: a datetime.timedelta or a number of seconds of at least {MIN_TIMEOUT_SECONDS}"
+)
+
+
+def _seconds(duration: timedelta | None) -> str:
+    # str(timedelta) reads "-1 day, 23:59:55" for -5 s; messages speak in seconds.
+    return "None" if duration is None else f"{duration.total_seconds():g} s"
 
 
 def _to_timedelta(value: Any) -> Any:
@@ -28,7 +36,8 @@ def _to_timedelta(value: Any) -> Any:
             return timedelta(seconds=value)
         except (OverflowError, ValueError):  # NaN, infinite or beyond timedelta's range
             raise ValueError(
-                f"'timeout' must be a finite number of seconds up to {timedelta.max}, got {value!r}"
+                f"'timeout' must be a finite number of seconds up to {_seconds(timedelta.max)}, "
+                f"got {value!r}"
             ) from None
     return value
 
@@ -80,8 +89,8 @@ def _check_timeout(instance: Any, attribute: attrs.Attribute[Any], value: Any) -
         # Below a second no rendezvous completes: the run would fail later with a timeout
         # that looks like a network problem.
         raise ValueError(
-            f"'{attribute.name}' must be at least {MIN_TIMEOUT_SECONDS} second (a timedelta "
-            f"or seconds), got {value}"
+            f"'{attribute.name}' must be at least {MIN_TIMEOUT_SECONDS} second, got "
+            f"{attribute.name}={_seconds(value)}; {_ACCEPTED_TIMEOUT}"
         )
 
 
@@ -264,7 +273,9 @@ class InitProcessGroupKwargs(KwargsHandler):
         if backend is not None and ":" not in backend and backend != live_backend:
             differences.append(f"backend {backend!r} (the live group runs {live_backend!r})")
         if _live.group is dist.group.WORLD and self.timeout != _live.timeout:
-            differences.append(f"timeout {self.timeout} (the live group has {_live.timeout})")
+            differences.append(
+                f"timeout {_seconds(self.timeout)} (the live group has {_seconds(_live.timeout)})"
+            )
         if differences:
             raise ValueError(
                 f"InitProcessGroupKwargs asks for {' and '.join(differences)}, but the default "
@@ -302,7 +313,7 @@ class InitProcessGroupKwargs(KwargsHandler):
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise RuntimeError(
                 f"rank {rank}/{world_size} could not initialise the {backend} process group "
-                f"({where}, timeout {self.timeout}): {type(exc).__name__}: {first_line}"
+                f"({where}, timeout {_seconds(self.timeout)}): {type(exc).__name__}: {first_line}"
             ) from exc
         _live.formed += 1
         _live.group = dist.group.WORLD

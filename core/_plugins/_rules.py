@@ -16,10 +16,11 @@ Each ``*_problem`` function returns why the rule is broken, as a sentence, or ``
 from __future__ import annotations
 
 import inspect
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import pluggy
+from pluggy import HookImpl
 
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import PROJECT_NAME, HandlerSpec
@@ -83,6 +84,14 @@ def validate_hookimpls(pm: pluggy.PluginManager, plugin: Any, name: str) -> None
         raise
 
 
+def _own_impls(pm: pluggy.PluginManager, plugin: Any) -> Iterator[tuple[str, HookImpl]]:
+    # (hook name, implementation) for every hook implementation registered ``plugin`` has.
+    for caller in pm.get_hookcallers(plugin) or ():
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin:
+                yield caller.name, impl
+
+
 def defaulted_argument_problem(pm: pluggy.PluginManager, plugin: Any) -> str | None:
     """Why registered ``plugin`` may not be loaded as is: a hook implementation declares an
     argument with a default value, or ``None``.
@@ -93,9 +102,7 @@ def defaulted_argument_problem(pm: pluggy.PluginManager, plugin: Any) -> str | N
     """
     found = sorted(
         f"{impl.function.__name__}({argument}=...)"
-        for caller in pm.get_hookcallers(plugin) or ()
-        for impl in caller.get_hookimpls()
-        if impl.plugin is plugin
+        for _, impl in _own_impls(pm, plugin)
         for argument in impl.kwargnames
     )
     if not found:
@@ -111,12 +118,7 @@ def tryfirst_problem(pm: pluggy.PluginManager, plugin: Any) -> str | None:
     """Why registered ``plugin`` may not be loaded as is: a hook implementation marked
     ``tryfirst`` would answer before the handlers the user passes (kwplug decides the order),
     or ``None``."""
-    names = sorted(
-        caller.name
-        for caller in pm.get_hookcallers(plugin) or ()
-        for impl in caller.get_hookimpls()
-        if impl.plugin is plugin and impl.tryfirst
-    )
+    names = sorted(name for name, impl in _own_impls(pm, plugin) if impl.tryfirst)
     if not names:
         return None
     return (

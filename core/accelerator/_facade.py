@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import DataLoader
 
+from kwplug._environment import end_process_group
 from kwplug._plugins import Answer, KwplugPluginManager
 from kwplug.accelerator import _metrics, _ops
 from kwplug.accelerator._accumulation import GradientState, _GradientAccumulation
@@ -22,7 +23,6 @@ from kwplug.accelerator._process_api import _DataAndProcessAPI
 from kwplug.accelerator._setup import _Setup, resolve
 from kwplug.accelerator._tracking import LogWith, _Trackers
 from kwplug.comm_hooks import CommHook
-from kwplug.environment import end_process_group
 from kwplug.handler import KwargsHandler
 from kwplug.optimizer import AcceleratedOptimizer
 from kwplug.utils.dataclasses import (
@@ -172,19 +172,10 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving, _Checkpoints, _Data
         return cls(**{**load_config(source), **overrides})
 
     @property
-    def is_main_process(self) -> bool:
-        """True on global rank 0."""
-        return self.process_index == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        """True on local rank 0 (one process per node)."""
-        return self.local_process_index == 0
-
-    @property
     def distributed(self) -> bool:
-        """True when more than one process trains (``num_processes > 1``)."""
-        return self.num_processes > 1
+        """True when more than one process trains (``num_processes > 1``; kwplug's name of
+        ``use_distributed``)."""
+        return self.use_distributed
 
     # -- prepare (kwplug.accelerator._prepare) -----------------------------------------------
 

@@ -12,11 +12,11 @@ from torch.utils.data import DataLoader
 from kwplug._plugins import Answer
 from kwplug.accelerator._accumulation import GradientState
 from kwplug.accelerator._options import _Options
+from kwplug.accelerator._params import ParameterRemap
 from kwplug.accelerator._setup import _Setup
 from kwplug.data import ActiveLoaders, PreparedDataLoader, prepare_dataloader
 from kwplug.errors import PluginHookError
 from kwplug.optimizer import AcceleratedOptimizer, ScalerUpdates
-from kwplug.params import ParameterRemap
 from kwplug.scheduler import AcceleratedScheduler
 from kwplug.utils.dataclasses import DataLoaderConfiguration
 

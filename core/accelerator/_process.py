@@ -17,9 +17,46 @@ from kwplug.utils.dataclasses import DistributedType, default_distributed_type
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class Ranks:
+    """Accelerate's rank predicates, computed in one place for the ``Accelerator`` and its
+    ``state`` (both classes derive from this one and set the three attributes).
+
+    Attributes:
+        num_processes: processes in the run; process_index: this one's global rank;
+            local_process_index: its rank on its node.
+    """
+
+    __slots__ = ()  # keeps ProcessState a slotted attrs class
+    num_processes: int
+    process_index: int
+    local_process_index: int
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on global rank 0."""
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """True on local rank 0 (one process per node)."""
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        """True on the highest global rank."""
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        """True when more than one process runs."""
+        return self.num_processes > 1
+
+
 @attrs.frozen
-class ProcessState:
-    """What Accelerate's ``AcceleratorState`` tells about the run (``accelerator.state``).
+class ProcessState(Ranks):
+    """What Accelerate's ``AcceleratorState`` tells about the run (``accelerator.state``),
+    with :class:`Ranks`' predicates (``is_main_process``, ``is_local_main_process``,
+    ``is_last_process``, ``use_distributed``).
 
     Attributes:
         num_processes: processes in the run; process_index: this one's global rank;
@@ -35,26 +72,6 @@ class ProcessState:
     device: torch.device
     distributed_type: DistributedType
     mixed_precision: str
-
-    @property
-    def is_main_process(self) -> bool:
-        """Global rank 0."""
-        return self.process_index == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        """Rank 0 of its node."""
-        return self.local_process_index == 0
-
-    @property
-    def is_last_process(self) -> bool:
-        """The highest global rank."""
-        return self.process_index == self.num_processes - 1
-
-    @property
-    def use_distributed(self) -> bool:
-        """More than one process."""
-        return self.num_processes > 1
 
 
 def distributed_type(

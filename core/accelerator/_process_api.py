@@ -21,16 +21,14 @@ from kwplug.utils.memory import release_memory
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class _DataAndProcessAPI:
-    """Accelerate's data-loader, metrics and process-control methods of ``Accelerator``."""
+class _DataAndProcessAPI(_process.Ranks):
+    """Accelerate's data-loader, metrics and process-control methods of ``Accelerator``
+    (the rank predicates ``is_main_process``... from :class:`._process.Ranks`)."""
 
     _setup: _Setup
     _prepared: _Prepared
     device: torch.device
     mixed_precision: str
-    num_processes: int
-    process_index: int
-    local_process_index: int
     _trigger: torch.Tensor | None = None
 
     # -- data loaders --------------------------------------------------------------------
@@ -104,35 +102,25 @@ class _DataAndProcessAPI:
             self.mixed_precision,
         )
 
-    @property
-    def use_distributed(self) -> bool:
-        """True when more than one process runs."""
-        return self.num_processes > 1
-
-    @property
-    def is_last_process(self) -> bool:
-        """True on the highest global rank."""
-        return self.process_index == self.num_processes - 1
-
     # -- which process runs what ---------------------------------------------------------
 
     def main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """``with accelerator.main_process_first():`` rank 0 runs the block, then the others
         (e.g. download or preprocess once, then read the cache)."""
-        return _process.goes_first(self.process_index == 0, self.num_processes)
+        return _process.goes_first(self.is_main_process, self.num_processes)
 
     def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """As :meth:`main_process_first`, with local rank 0 of each node first."""
-        return _process.goes_first(self.local_process_index == 0, self.num_processes)
+        return _process.goes_first(self.is_local_main_process, self.num_processes)
 
     def on_main_process(self, function: F) -> F:
         """Decorator: ``function`` runs on global rank 0 only (elsewhere a call returns
         ``None``); in a single process it always runs."""
-        return _process.run_if(function, lambda: self.process_index == 0)
+        return _process.run_if(function, lambda: self.is_main_process)
 
     def on_local_main_process(self, function: F) -> F:
         """Decorator: ``function`` runs on local rank 0 of each node only."""
-        return _process.run_if(function, lambda: self.local_process_index == 0)
+        return _process.run_if(function, lambda: self.is_local_main_process)
 
     def on_last_process(self, function: F) -> F:
         """Decorator: ``function`` runs on the last global rank only."""

@@ -16,10 +16,10 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from kwplug._environment import ProcessInfo, end_process_group, select_device
 from kwplug._plugins import Answer, KwplugPluginManager, discover, require_handler_list
 from kwplug._plugins._reuse import manager_for
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
-from kwplug.environment import ProcessInfo, end_process_group, select_device
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import AutocastFactory
 

@@ -124,25 +124,45 @@ def encode(state: Any, extra: dict[str, str] | None = None) -> bytes:
     return safetensors.torch.save(encoder.tensors, metadata=metadata)
 
 
+def foreign_format(data: bytes) -> str | None:
+    """Why ``data`` cannot be a file kwplug wrote, when its first bytes tell; else ``None``.
+
+    Pickles (protocol 2 and later, so also ``torch.save``'s legacy format) start with the
+    ``PROTO`` opcode ``0x80``; ``torch.save``'s zip archives (pickles inside) with ``PK``.
+    """
+    if data[:1] == b"\x80":
+        return "it looks like a pickle; kwplug never loads pickles"
+    if data[:4] == b"PK\x03\x04":
+        return "it looks like a torch.save zip archive (pickles inside); kwplug never loads pickles"
+    return None
+
+
 def decode(data: bytes, file: Path) -> tuple[Any, dict[str, str]]:
     """The state and metadata in ``data``, the bytes of ``file``.
 
     Raises:
-        CheckpointError: ``data`` is not a kwplug state file (naming ``file``).
+        CheckpointError: ``data`` is not a kwplug state file (naming ``file`` and why; no
+            chained parser error: the message says all there is).
     """
-    try:
-        (size,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8 : 8 + size])
-        metadata = header.get("__metadata__") or {}
-        structure = json.loads(metadata[META_KEY])
-        tensors = safetensors.torch.load(data)
-        return _decode(structure, tensors), metadata
-    except Exception as exc:  # any malformed content: one error naming the file
-        raise CheckpointError(
-            f"{file} is not a kwplug state file (safetensors with kwplug metadata): "
-            f"{type(exc).__name__}: {exc}",
-            file,
-        ) from exc
+    problem = foreign_format(data)
+    if problem is None:
+        try:
+            (size,) = struct.unpack("<Q", data[:8])
+            header = json.loads(data[8 : 8 + size].decode("utf-8"))
+            metadata = header.get("__metadata__") or {}
+            structure = json.loads(metadata[META_KEY])
+            tensors = safetensors.torch.load(data)
+            return _decode(structure, tensors), metadata
+        except UnicodeDecodeError:
+            problem = "its header is not UTF-8 text"
+        except struct.error:
+            problem = f"it has {len(data)} bytes, too few for a safetensors header"
+        except Exception as exc:  # any other malformed content: say what the parser said
+            problem = f"{type(exc).__name__}: {exc}"
+    raise CheckpointError(
+        f"{file} is not a state file kwplug wrote (safetensors with kwplug metadata): {problem}",
+        file,
+    )
 
 
 def write_file(path: Path, data: bytes) -> None:

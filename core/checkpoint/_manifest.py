@@ -32,13 +32,21 @@ def read(directory: Path) -> dict[str, Record]:
             present but not listed.
     """
     path = directory / layout.MANIFEST
+    data = read_regular(path, limit=1 << 24)
+    foreign = codec.foreign_format(data)
+    if foreign is not None:
+        raise CheckpointError(f"{path} is not a JSON manifest kwplug wrote: {foreign}", path)
     try:
-        body = json.loads(read_regular(path, limit=1 << 24))
+        body = json.loads(data.decode("utf-8"))
         if body.get("format") != layout.FORMAT:
             raise ValueError(f"format {body.get('format')!r}, expected {layout.FORMAT!r}")
         records = {str(k): (int(v[0]), str(v[1])) for k, v in body["files"].items()}
     except CheckpointError:
         raise
+    except UnicodeDecodeError:
+        raise CheckpointError(
+            f"{path} is not a JSON manifest kwplug wrote: it is not UTF-8 text", path
+        ) from None
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise CheckpointError(f"{path} is not a kwplug manifest: {exc}", path) from exc
     present = {p.name for p in directory.iterdir()} - {layout.MANIFEST, layout.MARKER}

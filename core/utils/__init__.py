@@ -23,277 +23,176 @@ Modules, named as Accelerate's:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kwplug.plugins import (
-        AutocastKwargs,
-        DDPCommunicationHookType,
-        DistributedDataParallelKwargs,
-        GradScalerKwargs,
-        InitProcessGroupKwargs,
-        ProfileKwargs,
-    )
-    from kwplug.utils.dataclasses import (
-        DataLoaderConfiguration,
-        DistributedType,
-        GradientAccumulationPlugin,
-        ProjectConfiguration,
-    )
-    from kwplug.utils.environment import parse_flag_from_env, patch_environment, str_to_bool
+from kwplug._lazy import exporter
+
+if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
+    from kwplug.plugins import AutocastKwargs as AutocastKwargs
+    from kwplug.plugins import DDPCommunicationHookType as DDPCommunicationHookType
+    from kwplug.plugins import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+    from kwplug.plugins import GradScalerKwargs as GradScalerKwargs
+    from kwplug.plugins import InitProcessGroupKwargs as InitProcessGroupKwargs
+    from kwplug.plugins import ProfileKwargs as ProfileKwargs
+    from kwplug.utils.dataclasses import DataLoaderConfiguration as DataLoaderConfiguration
+    from kwplug.utils.dataclasses import DistributedType as DistributedType
+    from kwplug.utils.dataclasses import GradientAccumulationPlugin as GradientAccumulationPlugin
+    from kwplug.utils.dataclasses import ProjectConfiguration as ProjectConfiguration
+    from kwplug.utils.environment import parse_flag_from_env as parse_flag_from_env
+    from kwplug.utils.environment import patch_environment as patch_environment
+    from kwplug.utils.environment import str_to_bool as str_to_bool
+    from kwplug.utils.imports import compare_versions as compare_versions
+    from kwplug.utils.imports import is_bf16_available as is_bf16_available
+    from kwplug.utils.imports import is_boto3_available as is_boto3_available
+    from kwplug.utils.imports import is_clearml_available as is_clearml_available
+    from kwplug.utils.imports import is_comet_ml_available as is_comet_ml_available
+    from kwplug.utils.imports import is_cuda_available as is_cuda_available
+    from kwplug.utils.imports import is_datasets_available as is_datasets_available
+    from kwplug.utils.imports import is_deepspeed_available as is_deepspeed_available
+    from kwplug.utils.imports import is_dvclive_available as is_dvclive_available
+    from kwplug.utils.imports import is_fp16_available as is_fp16_available
+    from kwplug.utils.imports import is_hpu_available as is_hpu_available
+    from kwplug.utils.imports import is_matplotlib_available as is_matplotlib_available
+    from kwplug.utils.imports import is_mlflow_available as is_mlflow_available
+    from kwplug.utils.imports import is_mlu_available as is_mlu_available
+    from kwplug.utils.imports import is_mps_available as is_mps_available
+    from kwplug.utils.imports import is_musa_available as is_musa_available
+    from kwplug.utils.imports import is_neuron_available as is_neuron_available
+    from kwplug.utils.imports import is_npu_available as is_npu_available
+    from kwplug.utils.imports import is_pandas_available as is_pandas_available
+    from kwplug.utils.imports import is_peft_available as is_peft_available
+    from kwplug.utils.imports import is_rich_available as is_rich_available
+    from kwplug.utils.imports import is_schedulefree_available as is_schedulefree_available
+    from kwplug.utils.imports import is_sdaa_available as is_sdaa_available
+    from kwplug.utils.imports import is_swanlab_available as is_swanlab_available
+    from kwplug.utils.imports import is_tensorboard_available as is_tensorboard_available
+    from kwplug.utils.imports import is_timm_available as is_timm_available
     from kwplug.utils.imports import (
-        compare_versions,
-        is_bf16_available,
-        is_boto3_available,
-        is_clearml_available,
-        is_comet_ml_available,
-        is_cuda_available,
-        is_datasets_available,
-        is_deepspeed_available,
-        is_dvclive_available,
-        is_fp16_available,
-        is_hpu_available,
-        is_matplotlib_available,
-        is_mlflow_available,
-        is_mlu_available,
-        is_mps_available,
-        is_musa_available,
-        is_neuron_available,
-        is_npu_available,
-        is_pandas_available,
-        is_peft_available,
-        is_rich_available,
-        is_schedulefree_available,
-        is_sdaa_available,
-        is_swanlab_available,
-        is_tensorboard_available,
-        is_timm_available,
-        is_torch_distributed_available,
-        is_torch_version,
-        is_torch_xla_available,
-        is_torchdata_available,
-        is_torchdata_stateful_dataloader_available,
-        is_torchvision_available,
-        is_tqdm_available,
-        is_trackio_available,
-        is_transformers_available,
-        is_wandb_available,
-        is_xpu_available,
+        is_torch_distributed_available as is_torch_distributed_available,
     )
-    from kwplug.utils.memory import (
-        clear_device_cache,
-        find_executable_batch_size,
-        release_memory,
-        should_reduce_batch_size,
+    from kwplug.utils.imports import is_torch_version as is_torch_version
+    from kwplug.utils.imports import is_torch_xla_available as is_torch_xla_available
+    from kwplug.utils.imports import is_torchdata_available as is_torchdata_available
+    from kwplug.utils.imports import (
+        is_torchdata_stateful_dataloader_available as is_torchdata_stateful_dataloader_available,
     )
+    from kwplug.utils.imports import is_torchvision_available as is_torchvision_available
+    from kwplug.utils.imports import is_tqdm_available as is_tqdm_available
+    from kwplug.utils.imports import is_trackio_available as is_trackio_available
+    from kwplug.utils.imports import is_transformers_available as is_transformers_available
+    from kwplug.utils.imports import is_wandb_available as is_wandb_available
+    from kwplug.utils.imports import is_xpu_available as is_xpu_available
+    from kwplug.utils.memory import clear_device_cache as clear_device_cache
+    from kwplug.utils.memory import find_executable_batch_size as find_executable_batch_size
+    from kwplug.utils.memory import release_memory as release_memory
+    from kwplug.utils.memory import should_reduce_batch_size as should_reduce_batch_size
+    from kwplug.utils.operations import CannotPadNestedTensorWarning as CannotPadNestedTensorWarning
     from kwplug.utils.operations import (
-        CannotPadNestedTensorWarning,
-        DistributedOperationException,
-        broadcast,
-        broadcast_object_list,
-        gather,
-        gather_object,
-        pad_across_processes,
-        reduce,
+        DistributedOperationException as DistributedOperationException,
     )
-    from kwplug.utils.random import set_seed
-    from kwplug.utils.structures import (
-        concatenate,
-        convert_to_fp32,
-        find_batch_size,
-        find_device,
-        get_shape,
-        honor_type,
-        ignorant_find_batch_size,
-        is_namedtuple,
-        is_torch_tensor,
-        listify,
-        recursively_apply,
-        send_to_device,
-        slice_tensors,
-    )
+    from kwplug.utils.operations import broadcast as broadcast
+    from kwplug.utils.operations import broadcast_object_list as broadcast_object_list
+    from kwplug.utils.operations import gather as gather
+    from kwplug.utils.operations import gather_object as gather_object
+    from kwplug.utils.operations import pad_across_processes as pad_across_processes
+    from kwplug.utils.operations import reduce as reduce
+    from kwplug.utils.random import set_seed as set_seed
+    from kwplug.utils.structures import concatenate as concatenate
+    from kwplug.utils.structures import convert_to_fp32 as convert_to_fp32
+    from kwplug.utils.structures import find_batch_size as find_batch_size
+    from kwplug.utils.structures import find_device as find_device
+    from kwplug.utils.structures import get_shape as get_shape
+    from kwplug.utils.structures import honor_type as honor_type
+    from kwplug.utils.structures import ignorant_find_batch_size as ignorant_find_batch_size
+    from kwplug.utils.structures import is_namedtuple as is_namedtuple
+    from kwplug.utils.structures import is_torch_tensor as is_torch_tensor
+    from kwplug.utils.structures import listify as listify
+    from kwplug.utils.structures import recursively_apply as recursively_apply
+    from kwplug.utils.structures import send_to_device as send_to_device
+    from kwplug.utils.structures import slice_tensors as slice_tensors
 
-#: Module that defines each exported name (Accelerate's names only: a module may define more).
-_MODULES: dict[str, tuple[str, ...]] = {
-    "kwplug.plugins": (
-        "AutocastKwargs",
-        "DDPCommunicationHookType",
-        "DistributedDataParallelKwargs",
-        "GradScalerKwargs",
-        "InitProcessGroupKwargs",
-        "ProfileKwargs",
-    ),
-    "kwplug.utils.dataclasses": (
-        "DataLoaderConfiguration",
-        "DistributedType",
-        "GradientAccumulationPlugin",
-        "ProjectConfiguration",
-    ),
-    "kwplug.utils.environment": ("parse_flag_from_env", "patch_environment", "str_to_bool"),
-    "kwplug.utils.imports": (
-        "compare_versions",
-        "is_bf16_available",
-        "is_boto3_available",
-        "is_clearml_available",
-        "is_comet_ml_available",
-        "is_cuda_available",
-        "is_datasets_available",
-        "is_deepspeed_available",
-        "is_dvclive_available",
-        "is_fp16_available",
-        "is_hpu_available",
-        "is_matplotlib_available",
-        "is_mlflow_available",
-        "is_mlu_available",
-        "is_mps_available",
-        "is_musa_available",
-        "is_neuron_available",
-        "is_npu_available",
-        "is_pandas_available",
-        "is_peft_available",
-        "is_rich_available",
-        "is_schedulefree_available",
-        "is_sdaa_available",
-        "is_swanlab_available",
-        "is_tensorboard_available",
-        "is_timm_available",
-        "is_torch_distributed_available",
-        "is_torch_version",
-        "is_torch_xla_available",
-        "is_torchdata_available",
-        "is_torchdata_stateful_dataloader_available",
-        "is_torchvision_available",
-        "is_tqdm_available",
-        "is_trackio_available",
-        "is_transformers_available",
-        "is_wandb_available",
-        "is_xpu_available",
-    ),
-    "kwplug.utils.memory": (
-        "clear_device_cache",
-        "find_executable_batch_size",
-        "release_memory",
-        "should_reduce_batch_size",
-    ),
-    "kwplug.utils.operations": (
-        "CannotPadNestedTensorWarning",
-        "DistributedOperationException",
-        "broadcast",
-        "broadcast_object_list",
-        "gather",
-        "gather_object",
-        "pad_across_processes",
-        "reduce",
-    ),
-    "kwplug.utils.random": ("set_seed",),
-    "kwplug.utils.structures": (
-        "concatenate",
-        "convert_to_fp32",
-        "find_batch_size",
-        "find_device",
-        "get_shape",
-        "honor_type",
-        "ignorant_find_batch_size",
-        "is_namedtuple",
-        "is_torch_tensor",
-        "listify",
-        "recursively_apply",
-        "send_to_device",
-        "slice_tensors",
-    ),
+#: Public name -> the module that defines it (Accelerate's names only: a module may define
+#: more). The one list of this package's names: ``__all__`` and ``dir()`` derive from it.
+_EXPORTS: dict[str, str] = {
+    "AutocastKwargs": "kwplug.plugins",
+    "DDPCommunicationHookType": "kwplug.plugins",
+    "DistributedDataParallelKwargs": "kwplug.plugins",
+    "GradScalerKwargs": "kwplug.plugins",
+    "InitProcessGroupKwargs": "kwplug.plugins",
+    "ProfileKwargs": "kwplug.plugins",
+    "DataLoaderConfiguration": "kwplug.utils.dataclasses",
+    "DistributedType": "kwplug.utils.dataclasses",
+    "GradientAccumulationPlugin": "kwplug.utils.dataclasses",
+    "ProjectConfiguration": "kwplug.utils.dataclasses",
+    "parse_flag_from_env": "kwplug.utils.environment",
+    "patch_environment": "kwplug.utils.environment",
+    "str_to_bool": "kwplug.utils.environment",
+    "compare_versions": "kwplug.utils.imports",
+    "is_bf16_available": "kwplug.utils.imports",
+    "is_boto3_available": "kwplug.utils.imports",
+    "is_clearml_available": "kwplug.utils.imports",
+    "is_comet_ml_available": "kwplug.utils.imports",
+    "is_cuda_available": "kwplug.utils.imports",
+    "is_datasets_available": "kwplug.utils.imports",
+    "is_deepspeed_available": "kwplug.utils.imports",
+    "is_dvclive_available": "kwplug.utils.imports",
+    "is_fp16_available": "kwplug.utils.imports",
+    "is_hpu_available": "kwplug.utils.imports",
+    "is_matplotlib_available": "kwplug.utils.imports",
+    "is_mlflow_available": "kwplug.utils.imports",
+    "is_mlu_available": "kwplug.utils.imports",
+    "is_mps_available": "kwplug.utils.imports",
+    "is_musa_available": "kwplug.utils.imports",
+    "is_neuron_available": "kwplug.utils.imports",
+    "is_npu_available": "kwplug.utils.imports",
+    "is_pandas_available": "kwplug.utils.imports",
+    "is_peft_available": "kwplug.utils.imports",
+    "is_rich_available": "kwplug.utils.imports",
+    "is_schedulefree_available": "kwplug.utils.imports",
+    "is_sdaa_available": "kwplug.utils.imports",
+    "is_swanlab_available": "kwplug.utils.imports",
+    "is_tensorboard_available": "kwplug.utils.imports",
+    "is_timm_available": "kwplug.utils.imports",
+    "is_torch_distributed_available": "kwplug.utils.imports",
+    "is_torch_version": "kwplug.utils.imports",
+    "is_torch_xla_available": "kwplug.utils.imports",
+    "is_torchdata_available": "kwplug.utils.imports",
+    "is_torchdata_stateful_dataloader_available": "kwplug.utils.imports",
+    "is_torchvision_available": "kwplug.utils.imports",
+    "is_tqdm_available": "kwplug.utils.imports",
+    "is_trackio_available": "kwplug.utils.imports",
+    "is_transformers_available": "kwplug.utils.imports",
+    "is_wandb_available": "kwplug.utils.imports",
+    "is_xpu_available": "kwplug.utils.imports",
+    "clear_device_cache": "kwplug.utils.memory",
+    "find_executable_batch_size": "kwplug.utils.memory",
+    "release_memory": "kwplug.utils.memory",
+    "should_reduce_batch_size": "kwplug.utils.memory",
+    "CannotPadNestedTensorWarning": "kwplug.utils.operations",
+    "DistributedOperationException": "kwplug.utils.operations",
+    "broadcast": "kwplug.utils.operations",
+    "broadcast_object_list": "kwplug.utils.operations",
+    "gather": "kwplug.utils.operations",
+    "gather_object": "kwplug.utils.operations",
+    "pad_across_processes": "kwplug.utils.operations",
+    "reduce": "kwplug.utils.operations",
+    "set_seed": "kwplug.utils.random",
+    "concatenate": "kwplug.utils.structures",
+    "convert_to_fp32": "kwplug.utils.structures",
+    "find_batch_size": "kwplug.utils.structures",
+    "find_device": "kwplug.utils.structures",
+    "get_shape": "kwplug.utils.structures",
+    "honor_type": "kwplug.utils.structures",
+    "ignorant_find_batch_size": "kwplug.utils.structures",
+    "is_namedtuple": "kwplug.utils.structures",
+    "is_torch_tensor": "kwplug.utils.structures",
+    "listify": "kwplug.utils.structures",
+    "recursively_apply": "kwplug.utils.structures",
+    "send_to_device": "kwplug.utils.structures",
+    "slice_tensors": "kwplug.utils.structures",
 }
 
-_WHERE = {name: module for module, names in _MODULES.items() for name in names}
-
-__all__ = [
-    "AutocastKwargs",
-    "CannotPadNestedTensorWarning",
-    "DDPCommunicationHookType",
-    "DataLoaderConfiguration",
-    "DistributedDataParallelKwargs",
-    "DistributedOperationException",
-    "DistributedType",
-    "GradScalerKwargs",
-    "GradientAccumulationPlugin",
-    "InitProcessGroupKwargs",
-    "ProfileKwargs",
-    "ProjectConfiguration",
-    "broadcast",
-    "broadcast_object_list",
-    "clear_device_cache",
-    "compare_versions",
-    "concatenate",
-    "convert_to_fp32",
-    "find_batch_size",
-    "find_device",
-    "find_executable_batch_size",
-    "gather",
-    "gather_object",
-    "get_shape",
-    "honor_type",
-    "ignorant_find_batch_size",
-    "is_bf16_available",
-    "is_boto3_available",
-    "is_clearml_available",
-    "is_comet_ml_available",
-    "is_cuda_available",
-    "is_datasets_available",
-    "is_deepspeed_available",
-    "is_dvclive_available",
-    "is_fp16_available",
-    "is_hpu_available",
-    "is_matplotlib_available",
-    "is_mlflow_available",
-    "is_mlu_available",
-    "is_mps_available",
-    "is_musa_available",
-    "is_namedtuple",
-    "is_neuron_available",
-    "is_npu_available",
-    "is_pandas_available",
-    "is_peft_available",
-    "is_rich_available",
-    "is_schedulefree_available",
-    "is_sdaa_available",
-    "is_swanlab_available",
-    "is_tensorboard_available",
-    "is_timm_available",
-    "is_torch_distributed_available",
-    "is_torch_tensor",
-    "is_torch_version",
-    "is_torch_xla_available",
-    "is_torchdata_available",
-    "is_torchdata_stateful_dataloader_available",
-    "is_torchvision_available",
-    "is_tqdm_available",
-    "is_trackio_available",
-    "is_transformers_available",
-    "is_wandb_available",
-    "is_xpu_available",
-    "listify",
-    "pad_across_processes",
-    "parse_flag_from_env",
-    "patch_environment",
-    "recursively_apply",
-    "reduce",
-    "release_memory",
-    "send_to_device",
-    "set_seed",
-    "should_reduce_batch_size",
-    "slice_tensors",
-    "str_to_bool",
-]
+__all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kwplug.utils' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_WHERE})
+__getattr__, __dir__ = exporter(globals(), _EXPORTS)

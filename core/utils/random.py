@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from kwplug.environment import ProcessInfo
+from kwplug._environment import ProcessInfo
 
 __all__ = ["set_seed"]
 

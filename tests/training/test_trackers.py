@@ -116,7 +116,7 @@ def test_duplicate_tracker_names_are_an_error() -> None:
         def trackers(self) -> Any:
             return {"jsonl": ListTracker}
 
-    with pytest.raises(ValueError, match="'jsonl' is contributed twice"):
+    with pytest.raises(ValueError, match="'jsonl' is provided twice"):
         kwplug.Accelerator(cpu=True, log_with="all", kwargs_handlers=[Again()])
 
 

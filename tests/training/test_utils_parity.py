@@ -39,10 +39,9 @@ def accelerate_state() -> Iterator[None]:
 
 
 def test_every_export_resolves_and_matches_its_module() -> None:
-    for module_name, names in ku._MODULES.items():
-        module = importlib.import_module(module_name)
-        assert set(names) <= set(module.__all__), module_name
-    assert sorted(ku.__all__) == sorted(ku._WHERE)
+    for name, module_name in ku._EXPORTS.items():
+        assert name in importlib.import_module(module_name).__all__, (name, module_name)
+    assert ku.__all__ == sorted(ku._EXPORTS)
     for name in ku.__all__:
         assert getattr(ku, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
@@ -61,7 +60,8 @@ def test_every_export_is_an_accelerate_utils_name() -> None:
         for name in ku.__all__
         if not hasattr(accelerate_utils, name)
         and not (
-            ku._WHERE[name].startswith("kwplug.utils.") and hasattr(theirs(ku._WHERE[name]), name)
+            ku._EXPORTS[name].startswith("kwplug.utils.")
+            and hasattr(theirs(ku._EXPORTS[name]), name)
         )
     ]
     assert missing == []
@@ -319,7 +319,11 @@ def test_gather_object_flattens_lists_and_keeps_other_objects() -> None:
 
 @pytest.mark.parametrize(
     "name",
-    [n for n in ku._MODULES["kwplug.utils.imports"] if n.startswith("is_") and "version" not in n],
+    [
+        n
+        for n, module in ku._EXPORTS.items()
+        if module == "kwplug.utils.imports" and n.startswith("is_") and "version" not in n
+    ],
 )
 def test_availability_helpers_agree_with_accelerate(
     name: str, monkeypatch: pytest.MonkeyPatch
