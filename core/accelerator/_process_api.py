@@ -15,7 +15,7 @@ from kwplug.accelerator._prepare import _Prepared
 from kwplug.accelerator._process import ProcessState
 from kwplug.accelerator._setup import _Setup
 from kwplug.data import PreparedDataLoader
-from kwplug.utils.dataclasses import DistributedType
+from kwplug.utils.dataclasses import DataLoaderConfiguration, DistributedType
 from kwplug.utils.memory import release_memory
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -32,6 +32,45 @@ class _DataAndProcessAPI(_process.Ranks):
     _trigger: torch.Tensor | None = None
 
     # -- data loaders --------------------------------------------------------------------
+
+    dataloader_config: DataLoaderConfiguration
+
+    # Accelerate's read-only views of ``dataloader_config`` (``even_batches`` is settable, as
+    # there: it changes the loaders prepared afterwards).
+    @property
+    def split_batches(self) -> bool:
+        """``dataloader_config.split_batches``."""
+        return self.dataloader_config.split_batches
+
+    @property
+    def dispatch_batches(self) -> bool | None:
+        """``dataloader_config.dispatch_batches`` (``True`` is refused by kwplug)."""
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def even_batches(self) -> bool:
+        """``dataloader_config.even_batches``; setting it checks the value (``TypeError``
+        unless a ``bool``) and applies to loaders prepared afterwards."""
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.dataloader_config.even_batches = value
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        """``dataloader_config.use_seedable_sampler``."""
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        """``dataloader_config.non_blocking``."""
+        return self.dataloader_config.non_blocking
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        """``dataloader_config.use_stateful_dataloader``."""
+        return self.dataloader_config.use_stateful_dataloader
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """Make the next iteration of a prepared ``dataloader`` skip its first
