@@ -10,6 +10,7 @@ import attrs
 import torch
 from torch.utils.data import DataLoader
 
+from kwplug._data._shards import BatchSamplerShard
 from kwplug.utils.structures import send_to_device
 
 
@@ -187,19 +188,24 @@ class PreparedDataLoader(DataLoader[Any]):
         self._skip, self._restore = num_batches, None
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the next batch comes from: ``epoch``, ``batches_yielded``, and what fixes
-        the epoch's order: ``generator`` (the sampler's generator at the epoch start) and
-        ``global_rng`` (torch's CPU generator at the epoch start, when the sampler draws
-        from it); each ``None`` when not needed."""
-        if self.batches_yielded:
+        """Where the next batch comes from: ``epoch``, ``batches_yielded``, ``offset`` (batches
+        of the user's batch sampler skipped before this epoch's batches were dealt to the
+        processes: non-zero only in an epoch resumed on another number of processes), and
+        what fixes the epoch's order: ``generator`` (the sampler's generator at the epoch
+        start) and ``global_rng`` (torch's CPU generator at the epoch start, when the sampler
+        draws from it); each ``None`` when not needed."""
+        if self._restore is not None:  # restored, not iterated yet
+            start = self._restore
+        elif self.batches_yielded:
             start = self._epoch_start
         else:
-            start = self._restore or self._snapshot(global_rng=False)
+            start = self._snapshot(global_rng=False)
         return {
             "epoch": self.epoch,
             "batches_yielded": self.batches_yielded,
             "generator": start.get("generator"),
             "global_rng": start.get("global_rng"),
+            "offset": int(start.get("offset") or 0),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -207,7 +213,7 @@ class PreparedDataLoader(DataLoader[Any]):
         epoch's order and skips the batches already handed out."""
         self.set_epoch(int(state["epoch"]))
         self._skip = self.batches_yielded = int(state["batches_yielded"])
-        self._restore = {k: state.get(k) for k in ("generator", "global_rng")}
+        self._restore = {k: state.get(k) for k in ("generator", "global_rng", "offset")}
         self._restore["batches"] = self.batches_yielded
 
     def _snapshot(self, global_rng: bool) -> dict[str, Any]:
@@ -238,26 +244,48 @@ class PreparedDataLoader(DataLoader[Any]):
 
     def _start_iterator(self) -> Iterator[Any]:
         restore, self._restore = self._restore, None
+        sync = self.sharding.sync_generator
         if restore is None:
             self._sync_generator()
-        elif restore.get("generator") is not None and self.sharding.sync_generator is not None:
-            self.sharding.sync_generator.set_state(restore["generator"])
+        elif restore.get("generator") is not None and sync is not None:
+            sync.set_state(restore["generator"])
         self._epoch_start = self._snapshot(self.sharding.global_rng)
-        if not restore or not restore.get("batches"):
+        if not restore:
+            return super().__iter__()
+        offset = self._epoch_start["offset"] = int(restore.get("offset") or 0)
+        if offset:
+            _skip_dealt(self.batch_sampler, offset)
+        # Saved by a run of another size, whose sampler drew its order from another source
+        # (see kwplug.checkpoint._resize): replay that source for this epoch only.
+        sampler = _index_sampler(self.batch_sampler)
+        order: Any = _KEEP
+        if sampler is not None and hasattr(sampler, "generator"):
+            if restore.get("generator") is not None and sync is None:
+                order = torch.Generator().set_state(restore["generator"])
+                self._epoch_start["generator"] = restore["generator"]
+            elif restore.get("global_rng") is not None and not self.sharding.global_rng:
+                order = None  # the sampler draws from the replayed global generator
+                self._epoch_start["generator"] = None
+        if not restore.get("batches") and order is _KEEP:
             return super().__iter__()
         # Resuming mid-epoch: the interrupted run drew from the global generator when this
         # epoch started (worker seed, sampler), before the checkpoint; replay those draws
         # from the epoch's saved start, or skip them, and leave the global state untouched.
-        current = torch.get_rng_state()
+        current, own = torch.get_rng_state(), getattr(sampler, "generator", None)
         replay = restore.get("global_rng")
         if replay is not None:
             torch.set_rng_state(replay)
             self._epoch_start["global_rng"] = replay
+        if order is not _KEEP:
+            sampler.generator = order  # type: ignore[union-attr]
         try:
             iterator = super().__iter__()
-            first = next(iterator, _END) if replay is not None else _END
+            draws = replay is not None or order is not _KEEP
+            first = next(iterator, _END) if draws else _END
         finally:
             torch.set_rng_state(current)
+            if order is not _KEEP:
+                sampler.generator = own  # type: ignore[union-attr]
         return iterator if first is _END else _chain(first, iterator)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -296,6 +324,27 @@ class PreparedDataLoader(DataLoader[Any]):
 
 
 _END: Any = object()
+_KEEP: Any = object()
+
+
+def _index_sampler(batch_sampler: Any) -> Any:
+    """The user's index sampler under a prepared loader's batch sampler, or ``None``."""
+    holder = getattr(batch_sampler, "batches", None)
+    if isinstance(holder, BatchSamplerShard):
+        holder = holder.batch_sampler
+    if isinstance(holder, SkippableBatches):
+        holder = holder.batches
+    return getattr(holder, "sampler", None)
+
+
+def _skip_dealt(batch_sampler: Any, offset: int) -> None:
+    """Skip ``offset`` batches of the user's batch sampler, once, before they are dealt."""
+    shard = getattr(batch_sampler, "batches", None)
+    if not isinstance(shard, BatchSamplerShard):
+        raise ValueError("a batch offset needs a loader sharded across several processes")
+    if not isinstance(shard.batch_sampler, SkippableBatches):
+        shard.batch_sampler = SkippableBatches(shard.batch_sampler)
+    shard.batch_sampler.skip = offset
 
 
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:

@@ -16,6 +16,7 @@ from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _lock as lock
 from kwplug.checkpoint import _manifest as manifest
 from kwplug.checkpoint import _plan as plan
+from kwplug.checkpoint import _resize as resize
 from kwplug.checkpoint._stateful import ShardedModelState, ShardedOptimizerState
 from kwplug.errors import CheckpointError
 
@@ -134,8 +135,11 @@ def _read(acc: Accelerator, directory: Path, entries: list[plan.Entry]) -> dict[
     states: dict[str, Any] = {}
     for name, data in manifest.verified(directory, records, names).items():
         states[name] = codec.decode(data, directory / name)
+    modules = [acc.unwrap_model(m) for m in acc._models]
     for entry in entries:
         if entry.file in states:
+            state, meta = states[entry.file]
+            states[entry.file] = (resize.adapt_optimizer(entry.target, state, modules), meta)
             _check(directory / entry.file, entry, *states[entry.file])
     return {e.file: states[e.file][0] for e in entries if e.file in states and e.file in wanted}
 
@@ -174,7 +178,8 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str]) -> P
         )
     entries = plan.entries(acc)
     error: CheckpointError | None = None
-    try:
+    try:  # saved by another number of processes: every rank reads rank 0's file
+        entries = resize.rank_entries(entries, manifest.read(directory), acc.num_processes)
         states = _read(acc, directory, entries)
     except CheckpointError as exc:
         error = exc

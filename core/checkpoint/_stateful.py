@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
+from kwplug.checkpoint import _resize as resize
 from kwplug.checkpoint import _rng as rng
 from kwplug.checkpoint import _sharded as sharded
 from kwplug.data import PreparedDataLoader
@@ -136,6 +137,7 @@ class RankState:
         self.world_size, self.device = world_size, device
         self.loaders, self.models = loaders, models
         self.collect_handlers, self.restore_handlers = collect_handlers, restore_handlers
+        self._resized: list[Any] = []  # positions moved to this size by check()
 
     def state_dict(self) -> dict[str, Any]:
         """The per-rank state (see the class docstring)."""
@@ -151,24 +153,20 @@ class RankState:
                 [hook_state_dict(state) for state in attached_states(model)]
                 for model in self.models
             ],
+            "sharding": [resize.describe(dl) for dl in self.loaders],
         }
 
     def check(self, state_dict: Any, path: Path) -> None:
         """Refuse a ``state_dict`` (read from ``path``) that does not fit this run.
 
         Raises:
-            CheckpointError: saved by another number of processes, for another number of
-                data loaders, or not a per-rank state at all.
+            CheckpointError: saved for another number of data loaders, by another number of
+                processes with a data position that cannot be moved to this one
+                (:func:`kwplug.checkpoint._resize.convert_position`), or not a per-rank state.
         """
         keys = ("world_size", "rng", "dataloaders", "comm_hooks")
         if not isinstance(state_dict, dict) or any(k not in state_dict for k in keys):
             raise CheckpointError(f"{path} does not hold a kwplug per-rank state", path)
-        if state_dict["world_size"] != self.world_size:
-            raise CheckpointError(
-                f"{path} was saved by {state_dict['world_size']} processes, this run has "
-                f"{self.world_size}",
-                path,
-            )
         saved = state_dict["dataloaders"]
         if len(saved) != len(self.loaders):
             raise CheckpointError(
@@ -176,14 +174,33 @@ class RankState:
                 f"{len(self.loaders)} data loader(s) are prepared",
                 path,
             )
+        old = int(state_dict["world_size"])
+        if old != self.world_size:  # resized: move every position now, so nothing is loaded
+            sharding = state_dict.get("sharding") or [None] * len(saved)
+            self._resized = [
+                resize.convert_position(position, shape, loader, old, path)
+                if position is not None and isinstance(loader, PreparedDataLoader)
+                else position
+                for position, shape, loader in zip(saved, sharding, self.loaders, strict=True)
+            ]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore everything :meth:`state_dict` saved (RNG states last)."""
-        for loader, position in zip(self.loaders, state_dict["dataloaders"], strict=True):
+        """Restore everything :meth:`state_dict` saved (RNG states last); a state saved by
+        another number of processes (the saved rank 0's) as :mod:`._resize` describes."""
+        old = int(state_dict["world_size"])
+        positions = state_dict["dataloaders"] if old == self.world_size else self._resized
+        for loader, position in zip(self.loaders, positions, strict=True):
             if position is not None and isinstance(loader, PreparedDataLoader):
                 loader.load_state_dict(position)
-        for model, saved in zip(self.models, state_dict["comm_hooks"], strict=False):
-            for state, snapshot in zip(attached_states(model), saved, strict=False):
-                load_hook_state(state, snapshot)
+        if old == self.world_size:
+            for model, saved in zip(self.models, state_dict["comm_hooks"], strict=False):
+                for state, snapshot in zip(attached_states(model), saved, strict=False):
+                    load_hook_state(state, snapshot)
+        else:
+            live = [attached_states(model) for model in self.models]
+            resize.load_resized_hooks(live, state_dict["comm_hooks"], (old, self.world_size))
         self.restore_handlers(state_dict.get("handlers", {}))
-        rng.set_rng_state(state_dict["rng"], self.device)
+        if old == self.world_size:
+            rng.set_rng_state(state_dict["rng"], self.device)
+        else:
+            resize.set_resized_rng(state_dict["rng"], resize.rank(), self.device)
