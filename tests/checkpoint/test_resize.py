@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,13 @@ def test_one_to_two_and_back_resumes_at_the_exact_batch(tmp_path: Path) -> None:
     assert_same_state(pair[0]["saved"], last["loaded"])
 
 
+class Stream(torch.utils.data.IterableDataset[int]):
+    """An iterable data set of N numbers."""
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(N))
+
+
 def test_positions_and_refusals() -> None:
     from kwplug.data import prepare_dataloader
 
@@ -162,18 +170,28 @@ def test_positions_and_refusals() -> None:
         loader = DataLoader(TensorDataset(torch.arange(N)), batch_size=BATCH, **kwargs)
         return prepare_dataloader(loader, torch.device("cpu"), world, rank)
 
-    two, three = prepared(2), prepared(3)
     position = {"epoch": 1, "batches_yielded": 4, "generator": None, "global_rng": None}
-    shape = resize.describe(two)
-    moved = resize.convert_position(position, shape, three, 2, Path("rank_0"))
-    assert (moved["batches_yielded"], moved["offset"]) == (2, 2)  # 8 batches = 2 rounds + 2
-    three.load_state_dict(moved)
-    assert [b[0].tolist() for b in three][0] == list(range(32, 36))  # the 9th batch
+    shape = resize.describe(prepared(2))
+    for rank in range(3):  # 2 processes took 8 batches: 2 rounds of 3, and 2 batches more
+        three = prepared(3, rank)
+        moved = resize.convert_position(position, shape, three, 2, Path("rank_0"))
+        assert (moved["batches_yielded"], moved["offset"]) == (2, 2)
+        three.load_state_dict(moved)
+        assert three.state_dict()["offset"] == 2  # saved again before iterating: unchanged
+        start = 4 * (8 + rank)  # rank r: the (9 + r)-th batch
+        assert next(iter(three))[0].tolist() == list(range(start, start + 4))
+        assert three.state_dict()["offset"] == 2
+    big = prepare_dataloader(
+        DataLoader(TensorDataset(torch.arange(N)), batch_size=8), torch.device("cpu"), 1, 0
+    )
     with pytest.raises(CheckpointError, match="batch_size was 4 when saved and is 8"):
-        big = prepare_dataloader(
-            DataLoader(TensorDataset(torch.arange(N)), batch_size=8), torch.device("cpu"), 1, 0
-        )
         resize.convert_position(position, shape, big, 2, Path("rank_0"))
+    stream = prepare_dataloader(DataLoader(Stream(), batch_size=BATCH), torch.device("cpu"), 3, 0)
+    iterable = resize.describe(
+        prepare_dataloader(DataLoader(Stream(), batch_size=BATCH), torch.device("cpu"), 2, 0)
+    )
+    with pytest.raises(CheckpointError, match="iterable data set's position"):
+        resize.convert_position(position, iterable, stream, 2, Path("rank_0"))
     with pytest.raises(CheckpointError, match="no data loader sharding"):
         resize.convert_position(position, None, three, 2, Path("rank_0"))
 

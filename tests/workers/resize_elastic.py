@@ -7,7 +7,8 @@ Usage: resize_elastic.py RECORDS CKPT [--hold-at EPOCH BATCH]
 Each process appends JSON lines to ``RECORDS/attempt<restart>_rank<rank>.jsonl``:
 ``{"world": W, "epoch": E, "batch": B, "samples": [...]}`` per step and ``{"saved": [E, B]}``
 after each checkpoint. With ``--hold-at``, the first attempt at 2 processes stops after that
-step (``RECORDS/hold_<rank>`` holds its pid) until ``RECORDS/go`` exists: the test kills a node there.
+step (``RECORDS/hold_<rank>`` holds its pid) until ``RECORDS/go`` exists: the test kills a
+node there.
 """
 
 from __future__ import annotations
