@@ -277,7 +277,7 @@ class PreparedDataLoader(DataLoader[Any]):
             torch.set_rng_state(replay)
             self._epoch_start["global_rng"] = replay
         if order is not _KEEP:
-            sampler.generator = order  # type: ignore[union-attr]
+            sampler.generator = order
         try:
             iterator = super().__iter__()
             draws = replay is not None or order is not _KEEP
@@ -285,7 +285,7 @@ class PreparedDataLoader(DataLoader[Any]):
         finally:
             torch.set_rng_state(current)
             if order is not _KEEP:
-                sampler.generator = own  # type: ignore[union-attr]
+                sampler.generator = own
         return iterator if first is _END else _chain(first, iterator)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]

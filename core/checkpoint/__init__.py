@@ -12,6 +12,7 @@ One module per concern:
   anything is loaded;
 - :mod:`~kwplug.checkpoint._commit`, :mod:`~kwplug.checkpoint._lock`: the commit protocol and
   the save lock;
+- :mod:`~kwplug.checkpoint._resize`: resuming on another number of processes;
 - :mod:`~kwplug.checkpoint._rng`: RNG states; :mod:`~kwplug.checkpoint._sharded`: ``DTensor``
   models and their optimizers;
 - :mod:`~kwplug.checkpoint._api`: the ``Accelerator`` methods;

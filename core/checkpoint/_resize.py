@@ -210,8 +210,10 @@ def adapt_optimizer_state(
     owns the optimizer's parameters.
     """
     groups = state.get("param_groups") if isinstance(state, dict) else None
-    if module is None or not groups or not all(
-        isinstance(p, str) for g in groups for p in g.get("params", ())
+    if (
+        module is None
+        or not groups
+        or not all(isinstance(p, str) for g in groups for p in g.get("params", ()))
     ):
         return state
     names = {id(p): name for name, p in module.named_parameters()}

@@ -247,7 +247,13 @@ def test_skip_first_batches_does_not_skip_twice_after_a_restore() -> None:
 
 def test_state_dict_keys_are_stable() -> None:
     loader = kwplug.Accelerator(cpu=True).prepare(DataLoader(list(range(4)), batch_size=2))
-    assert set(loader.state_dict()) == {"epoch", "batches_yielded", "generator", "global_rng"}
+    assert set(loader.state_dict()) == {
+        "epoch",
+        "batches_yielded",
+        "generator",
+        "global_rng",
+        "offset",
+    }
 
 
 def test_distributed_sampler_for_another_world_size_is_refused() -> None:
