@@ -163,7 +163,7 @@ def load_resized_hooks(
                 continue
             state = states[position] if position < len(states) else None
             if state is None:
-                reset.append(f"model {index}: hook state {position} (no hook in this run)")
+                reset.append(f"model {index}: {_saved_name(snapshot)} (no hook in this run)")
                 continue
             kind = type(state).__qualname__
             current = hook_state_dict(state)
@@ -183,6 +183,13 @@ def load_resized_hooks(
             KwplugWarning,
             stacklevel=2,
         )
+
+
+def _saved_name(snapshot: Mapping[str, Any]) -> str:
+    value = snapshot.get("value")
+    if snapshot.get("kind") == "getstate" and isinstance(value, dict) and "error_dict" in value:
+        return "PowerSGDState"
+    return "a communication hook's state"
 
 
 def adapt_optimizer(target: Any, state: Any, modules: Sequence[torch.nn.Module]) -> Any:

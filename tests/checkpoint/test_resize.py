@@ -122,7 +122,8 @@ def test_two_to_one_continues_the_global_stream(tmp_path: Path) -> None:
     assert per_epoch(before + after) == {e: Counter(range(N)) for e in range(EPOCHS)}
     assert_same_state(full[0]["saved"], resumed["loaded"])
     (warning,) = resumed["warnings"]  # one warning, naming the hook and the reason
-    assert "PowerSGD" in warning and "saved by 2 process(es), loaded by 1" in warning
+    assert "saved by 2 process(es), loaded by 1" in warning
+    assert "model 0: PowerSGDState (no hook in this run)" in warning  # one process: no DDP
 
 
 def test_one_to_two_and_back_resumes_at_the_exact_batch(tmp_path: Path) -> None:
@@ -209,3 +210,42 @@ def test_rng_is_rederived_per_rank() -> None:
     assert torch.equal(draws[0], torch.rand(2))  # rank 0: the saved rank 0's stream
     assert not torch.equal(draws[1], draws[2])
     assert torch.equal(draws[1], draws[3])  # deterministic
+
+
+class Residuals:
+    """A hook state with ``state_dict``: reset across sizes, whatever it holds."""
+
+    def __init__(self) -> None:
+        self.value = torch.zeros(2)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_hook_state_keeps_counters_and_resets_per_process_state() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    from kwplug.checkpoint._stateful import hook_state_dict
+
+    def power_sgd() -> PowerSGDState:
+        return PowerSGDState(process_group=None, start_powerSGD_iter=2)
+
+    saved, residuals = power_sgd(), Residuals()
+    saved.iter, saved.error_dict = 7, {0: torch.ones(3)}
+    saved.p_memory_dict, saved.q_memory_dict = {0: torch.ones(2)}, {0: torch.ones(2)}
+    residuals.value = torch.ones(2)
+    snapshots = [[hook_state_dict(saved), hook_state_dict(residuals)]]
+    live, fresh = power_sgd(), Residuals()
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        resize.load_resized_hooks([[live, fresh]], snapshots, (2, 3))
+    (warning,) = [str(w.message) for w in records if issubclass(w.category, KwplugWarning)]
+    assert "model 0: PowerSGDState (per-process state reset, counters kept)" in warning
+    assert "model 0: Residuals (reset)" in warning
+    assert live.iter == 7  # compression goes on without a new warm-up
+    assert live.error_dict == live.p_memory_dict == live.q_memory_dict == {}
+    assert torch.equal(fresh.value, torch.zeros(2))
