@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 from torchrun import torchrun
 
 from kwplug.testing.distributed import child_environment, free_port
@@ -39,7 +40,9 @@ def per_epoch(steps: list[dict[str, Any]]) -> dict[int, Counter[int]]:
 
 def agent(port: int, name: str, host: bool, records: Path, ckpt: Path, log: Path) -> Any:
     """One elastic agent (its own process group, so that killing it kills its worker)."""
-    conf = f"is_host={str(host).lower()},join_timeout=30,last_call_timeout=4,close_timeout=5"
+    # Both agents must join within last_call_timeout of the first, or the first round has
+    # one node (the worker would then never hold at 2 processes and the test fails, naming it).
+    conf = f"is_host={str(host).lower()},join_timeout=30,last_call_timeout=8,close_timeout=5"
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2"),
         *("--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.2"),
@@ -67,6 +70,7 @@ def wait_for(condition: Any, seconds: float, what: str, logs: list[Path]) -> Non
         time.sleep(0.1)
 
 
+@pytest.mark.timeout(150)  # each wait below is bounded; about 35 s on two busy cores
 def test_killed_node_survivor_resumes_at_one_process(tmp_path: Path) -> None:
     clean = tmp_path / "clean"
     clean.mkdir()
