@@ -45,7 +45,12 @@ _POWER_SGD_KEPT = frozenset(
 
 def saved_world_size(records: Mapping[str, Any]) -> int:
     """Number of processes that saved a checkpoint: its ``rank_<r>`` files."""
-    return sum(1 for name in records if layout.is_rank_file(name))
+    return sum(1 for name in records if _is_rank_state(name))
+
+
+def _is_rank_state(name: str) -> bool:
+    # rank_<r>, not accumulation_<r> (written only mid-accumulation, refused across sizes).
+    return name.startswith("rank_") and layout.is_rank_file(name)
 
 
 def rank_entries(entries: Sequence[Any], records: Mapping[str, Any], world_size: int) -> list[Any]:
@@ -55,7 +60,7 @@ def rank_entries(entries: Sequence[Any], records: Mapping[str, Any], world_size:
         return list(entries)
     first = layout.rank_file(0)
     return [
-        attrs.evolve(e, file=first) if e.scope == "each" and layout.is_rank_file(e.file) else e
+        attrs.evolve(e, file=first) if e.scope == "each" and _is_rank_state(e.file) else e
         for e in entries
     ]
 

@@ -249,3 +249,32 @@ def test_hook_state_keeps_counters_and_resets_per_process_state() -> None:
     assert live.iter == 7  # compression goes on without a new warm-up
     assert live.error_dict == live.p_memory_dict == live.q_memory_dict == {}
     assert torch.equal(fresh.value, torch.zeros(2))
+
+
+def save_mid_accumulation(directory: str, load: bool) -> str:
+    """Save after the first of two micro-batches, or (``load``) try to load that."""
+    accelerator = kwplug.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if load:
+        try:
+            accelerator.load_state(directory)
+        except CheckpointError as exc:
+            return str(exc)
+        return "loaded"
+    with accelerator.accumulate(model):
+        accelerator.backward(model(torch.ones(2, 3)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    assert not accelerator.sync_gradients
+    accelerator.save_state(directory)
+    return "saved"
+
+
+def test_mid_accumulation_checkpoint_is_refused_at_another_size(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    assert run_distributed(save_mid_accumulation, directory, False) == ["saved", "saved"]
+    (error,) = run_distributed(save_mid_accumulation, directory, True, nproc=1)
+    assert "accumulation_0.safetensors was saved in the middle of a gradient" in error
+    assert "the local gradients cannot be redistributed" in error
