@@ -175,6 +175,11 @@ class _Checkpoints:
         Every file is verified (manifest, size, sha256, kind, shapes) before any object is
         loaded; no file is unpickled.
 
+        A checkpoint saved by another number of processes loads too: the data loaders go on
+        at the next unconsumed batch of the global stream, per-rank RNG states are re-derived
+        from rank 0's, per-process communication-hook state is reset with one warning (see
+        :mod:`kwplug.checkpoint._resize` and docs/reliability.md).
+
         Args:
             input_dir: the checkpoint directory. Default ``None``: only with automatic naming,
                 the highest-numbered complete ``<project_dir>/checkpoints/checkpoint_<n>``.
@@ -191,8 +196,11 @@ class _Checkpoints:
             FileNotFoundError: no complete checkpoint at ``input_dir`` (or, with automatic
                 naming, in ``checkpoints``).
             kwplug.checkpoint.CheckpointError: (a ``ValueError``) a file is missing,
-                truncated, altered, not regular or not listed; the checkpoint was saved with a
-                different number of processes or different prepared objects (class, shapes).
+                truncated, altered, not regular or not listed; the checkpoint was saved with
+                different prepared objects (class, shapes), or by another number of
+                processes with state that cannot be moved (a data loader whose batch size
+                changed, one sharded by a user's ``DistributedSampler``, a save
+                mid-accumulation).
             NotImplementedError: (also from :meth:`save_state`) an optimizer steps a sharded
                 model's parameters together with parameters outside that model.
         """
