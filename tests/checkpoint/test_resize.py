@@ -18,6 +18,7 @@ from kwplug import DistributedDataParallelKwargs
 from kwplug.checkpoint import _resize as resize
 from kwplug.errors import CheckpointError, KwplugWarning
 from kwplug.testing import run_distributed
+from kwplug.utils import DataLoaderConfiguration
 
 N, BATCH, EPOCHS = 48, 4, 3  # 48 divides 4 and 8: no batch is completed with repeats
 
@@ -167,9 +168,10 @@ class Stream(torch.utils.data.IterableDataset[int]):
 def test_positions_and_refusals() -> None:
     from kwplug.data import prepare_dataloader
 
-    def prepared(world: int, rank: int = 0, **kwargs: Any) -> Any:
-        loader = DataLoader(TensorDataset(torch.arange(N)), batch_size=BATCH, **kwargs)
-        return prepare_dataloader(loader, torch.device("cpu"), world, rank)
+    def prepared(world: int, rank: int = 0, split: bool = False) -> Any:
+        loader = DataLoader(TensorDataset(torch.arange(N)), batch_size=BATCH)
+        config = DataLoaderConfiguration(split_batches=split)
+        return prepare_dataloader(loader, torch.device("cpu"), world, rank, config=config)
 
     position = {"epoch": 1, "batches_yielded": 4, "generator": None, "global_rng": None}
     shape = resize.describe(prepared(2))
@@ -182,6 +184,15 @@ def test_positions_and_refusals() -> None:
         start = 4 * (8 + rank)  # rank r: the (9 + r)-th batch
         assert next(iter(three))[0].tolist() == list(range(start, start + 4))
         assert three.state_dict()["offset"] == 2
+    # split_batches: every rank took a slice of the same 4 global batches; so do 2 ranks now.
+    split = resize.describe(prepared(1, split=True))
+    for rank in range(2):
+        half = prepared(2, rank, split=True)
+        half.load_state_dict(resize.convert_position(position, split, half, 1, Path("rank_0")))
+        start = 4 * BATCH + 2 * rank
+        assert next(iter(half))[0].tolist() == [start, start + 1]
+    with pytest.raises(CheckpointError, match="split_batches was True when saved and is False"):
+        resize.convert_position(position, split, prepared(2), 1, Path("rank_0"))
     big = prepare_dataloader(
         DataLoader(TensorDataset(torch.arange(N)), batch_size=8), torch.device("cpu"), 1, 0
     )
