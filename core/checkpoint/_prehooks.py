@@ -106,12 +106,14 @@ def saving(acc: Accelerator, entries: list[Entry], staging: Path) -> tuple[list[
         Entry(layout.model_file(j), _Weights(w), "main", kinds.get(id(w), qualified_name(w)))
         for j, w in enumerate(weights)
     ]
-    rest = [e for e in entries if not _is_model_entry(e, len(modules))]
-    clash = sorted(p.name for p in staging.iterdir() if layout.is_own_file(p.name))
-    error = None
-    if clash and acc.is_main_process:
-        error = f"a save_state pre-hook wrote {staging / clash[0]}, a name kwplug writes itself"
-    return kept + rest, error
+    planned = kept + [e for e in entries if not _is_model_entry(e, len(modules))]
+    if not acc.is_main_process:
+        return planned, None
+    # Names the main process writes next (other ranks may have written theirs already).
+    clash = sorted({e.file for e in planned} & {p.name for p in staging.iterdir()})
+    if clash:
+        return planned, f"a save_state pre-hook wrote {staging / clash[0]}, a name kwplug writes"
+    return planned, None
 
 
 def with_written(

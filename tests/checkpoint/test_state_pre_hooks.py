@@ -15,6 +15,7 @@ import torch
 import kwplug
 from kwplug import checkpoint
 from kwplug.errors import CheckpointError
+from kwplug.testing import run_distributed
 
 
 class Adapter(torch.nn.Linear):
@@ -41,6 +42,8 @@ def _script(accelerator: Any, directory: Path, mode: str) -> dict[str, Any]:
         for index, model in enumerate(models):
             unwrapped = accelerator.unwrap_model(model)
             if isinstance(unwrapped, Adapter) and mode == "pop":
+                if not accelerator.is_main_process:
+                    continue  # diffusers' scripts save and pop on the main process only
                 os.makedirs(os.path.join(output_dir, "adapter"), exist_ok=True)
                 path = os.path.join(output_dir, "adapter", "weights.safetensors")
                 safetensors.torch.save_file(unwrapped.state_dict(), path)
@@ -63,6 +66,7 @@ def _script(accelerator: Any, directory: Path, mode: str) -> dict[str, Any]:
     ]
     trained = [{k: v.clone() for k, v in m.state_dict().items()} for m in (adapter, head)]
     accelerator.save_state(str(directory))
+    accelerator.wait_for_everyone()  # Accelerate's save_state does not wait
     with torch.no_grad():
         for parameter in [*adapter.parameters(), *head.parameters()]:
             parameter.zero_()
@@ -71,6 +75,7 @@ def _script(accelerator: Any, directory: Path, mode: str) -> dict[str, Any]:
     for handle in handles:
         handle.remove()
     accelerator.save_state(str(directory) + "-again")  # no hook runs any more
+    accelerator.wait_for_everyone()  # Accelerate's save_state does not wait
     accelerator.load_state(str(directory) + "-again")
     return {"trained": trained, "loaded": loaded, "calls": calls}
 
@@ -155,13 +160,14 @@ def test_versions_with_hook_files_are_pruned(tmp_path: Path) -> None:
     assert version is not None and (version / "extra.txt").read_text() == "x"
 
 
-def test_a_hook_writing_kwplugs_names_or_links_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["model_0.safetensors", "custom_0.safetensors"])
+def test_a_hook_writing_kwplugs_names_or_links_is_refused(tmp_path: Path, name: str) -> None:
     accelerator = kwplug.Accelerator(cpu=True)
     accelerator.prepare(torch.nn.Linear(2, 2))
     handle = accelerator.register_save_state_pre_hook(
-        lambda models, weights, output_dir: Path(output_dir, "custom_0.safetensors").write_text("")
+        lambda models, weights, output_dir: Path(output_dir, name).write_text("")
     )
-    with pytest.raises(CheckpointError, match="a name kwplug writes itself"):
+    with pytest.raises(CheckpointError, match=f"wrote .*{name}, a name kwplug writes"):
         accelerator.save_state(tmp_path / "a")
     handle.remove()
     accelerator.register_save_state_pre_hook(
@@ -172,3 +178,21 @@ def test_a_hook_writing_kwplugs_names_or_links_is_refused(tmp_path: Path) -> Non
     assert checkpoint.resolve_checkpoint(tmp_path / "b") is None
     with pytest.raises(TypeError, match="callable"):
         accelerator.register_load_state_pre_hook(42)  # type: ignore[arg-type]
+
+
+def both_libraries_in_two_processes(directory: str) -> dict[str, dict[str, Any]]:
+    import accelerate
+
+    ours = _script(kwplug.Accelerator(cpu=True), Path(directory, "kwplug"), "pop")
+    theirs = _script(accelerate.Accelerator(cpu=True), Path(directory, "accelerate"), "pop")
+    return {"kwplug": ours, "accelerate": theirs}
+
+
+def test_two_processes_match_accelerate(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    ranks = run_distributed(both_libraries_in_two_processes, str(tmp_path), nproc=2, timeout=240)
+    for rank in ranks:
+        ours, theirs = rank["kwplug"], rank["accelerate"]
+        assert ours["calls"] == theirs["calls"] == [("save", 2, 2), ("load", 2, 0)]
+        assert _equal(ours["loaded"], theirs["loaded"])
+        assert _equal(ours["loaded"], ours["trained"])
