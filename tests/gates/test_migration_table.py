@@ -1,6 +1,6 @@
-"""Every public name of Accelerate's ``Accelerator`` and ``accelerate.utils`` has a row in
-docs/migrating-from-accelerate.md saying supported / differs / not supported, and what a row
-calls supported exists in kwplug.
+"""Every public name of Accelerate's ``Accelerator``, ``accelerate.utils`` and ``accelerate``
+has a row in docs/migrating-from-accelerate.md saying supported / differs / not supported, and
+what a row calls supported exists in kwplug.
 
 A name is in the table when a backtick span in the first cell of a row starts with it,
 optionally qualified (```save_state(output_dir=None)```, ```accelerate.local_sgd.LocalSGD```):
@@ -55,6 +55,15 @@ def _rows() -> Iterator[tuple[str, str, list[str], str]]:
             yield namespace, cells[1], names, line
 
 
+def _top_level_names() -> set[str]:
+    accelerate = pytest.importorskip("accelerate")
+    return {
+        name
+        for name, value in vars(accelerate).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+
+
 def _accelerate_names() -> tuple[set[str], set[str]]:
     accelerate = pytest.importorskip("accelerate")
     accelerate_utils = pytest.importorskip("accelerate.utils")
@@ -97,6 +106,8 @@ def test_every_accelerate_name_has_a_row(names: tuple[set[str], set[str]]) -> No
             listed[namespace].update(row)
     assert sorted(members - listed["Accelerator"]) == [], "Accelerator names without a row"
     assert sorted(utils - listed["utils"]) == [], "accelerate.utils names without a row"
+    anywhere = listed["Accelerator"] | listed["utils"]
+    assert sorted(_top_level_names() - anywhere) == [], "`accelerate` names without a row"
 
 
 def test_names_claimed_supported_exist_in_kwplug(names: tuple[set[str], set[str]]) -> None:
