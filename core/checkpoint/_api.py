@@ -104,7 +104,7 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str]) -> 
             except (OSError, CheckpointError) as exc:
                 errors.append(_failed(exc, f"committing {staging}"))
             if errors:
-                commit.abort(staging)
+                prehooks.abort(acc, staging)
             commit.reached("unlock")
         errors = [e for group in _share(acc, errors) for e in group]
     if errors:

@@ -17,6 +17,8 @@ On load, once every file of the version is verified, every rank calls each hook 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -122,7 +124,8 @@ def with_written(
     """``records`` and a record for each file the save hooks wrote into ``staging``.
 
     Raises:
-        CheckpointError: a hook wrote something else than regular files and folders.
+        CheckpointError: a hook wrote something else than regular files in folders (a link,
+            a FIFO, an empty folder), or a name kwplug writes itself.
     """
     if not acc._state_pre_hooks.save:
         return records
@@ -136,6 +139,20 @@ def with_written(
         data = manifest.read_regular(staging / name)  # refuses links, FIFOs, empty folders
         out[name] = (len(data), codec.digest(data))
     return out
+
+
+def abort(acc: Accelerator, staging: Path) -> None:
+    """Remove the version folder of a failed save; with save hooks, also what they wrote
+    there (the folder is this save's: kwplug created it moments ago)."""
+    from kwplug.checkpoint import _commit as commit
+
+    number = layout.version_number(staging.name)
+    if not acc._state_pre_hooks.save or number is None or not staging.is_dir():
+        commit.abort(staging)
+        return
+    trash = staging.with_name(layout.trash_name(number, os.getpid()))
+    os.replace(staging, trash)  # atomic, as commit's: from here on nothing reads it
+    shutil.rmtree(trash)
 
 
 def loading(acc: Accelerator, entries: list[Entry], directory: Path) -> list[Entry]:
@@ -167,10 +184,10 @@ def loading(acc: Accelerator, entries: list[Entry], directory: Path) -> list[Ent
 
 def listed(folder: Path) -> set[str]:
     """The files ``folder``'s manifest lists (empty when it has none or it is unreadable)."""
-    try:
-        body = json.loads((folder / layout.MANIFEST).read_text("utf-8"))
+    try:  # read_regular: a FIFO planted as the manifest is never opened
+        body = json.loads(manifest.read_regular(folder / layout.MANIFEST, limit=1 << 24))
         return {str(name) for name in body["files"]}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError):
         return set()
 
 
