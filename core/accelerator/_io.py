@@ -4,8 +4,9 @@ checkpoints through :mod:`kwplug.checkpoint`."""
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -16,6 +17,7 @@ from kwplug._plugins import KwplugPluginManager
 from kwplug.accelerator import _saving
 from kwplug.accelerator._tracking import _Trackers
 from kwplug.checkpoint import _naming
+from kwplug.checkpoint import _prehooks as prehooks
 from kwplug.tracking import GeneralTracker
 from kwplug.utils.dataclasses import ProjectConfiguration
 
@@ -95,8 +97,48 @@ class _TrackersAndSaving:
 
 
 class _Checkpoints:
-    """``register_for_checkpointing``, ``save_state`` and ``load_state`` of the Accelerator
-    (:mod:`kwplug.checkpoint` does the work)."""
+    """``register_for_checkpointing``, ``save_state``, ``load_state`` and their pre-hooks of
+    the Accelerator (:mod:`kwplug.checkpoint` does the work)."""
+
+    @functools.cached_property
+    def _state_pre_hooks(self) -> prehooks.StatePreHooks:
+        return prehooks.StatePreHooks()
+
+    def register_save_state_pre_hook(
+        self, hook: Callable[..., None]
+    ) -> torch.utils.hooks.RemovableHandle:
+        """Call ``hook(models, weights, output_dir)`` on every rank in :meth:`save_state`,
+        before the models are saved, as Accelerate does: ``models`` the prepared models,
+        ``weights`` their state dicts (unwrapped: no ``module.`` prefix), ``output_dir`` the
+        version folder being written. Only the dicts left in ``weights`` are saved (a
+        modified one as modified); files the hook writes into ``output_dir`` are listed in
+        the manifest and committed with the checkpoint (see :mod:`kwplug.checkpoint._prehooks`).
+
+        Returns:
+            A ``torch.utils.hooks.RemovableHandle``: ``remove()`` unregisters the hook.
+
+        Raises:
+            TypeError: ``hook`` is not callable.
+            NotImplementedError: (from :meth:`save_state`) a prepared model is sharded.
+        """
+        return prehooks.register(self._state_pre_hooks.save, hook)
+
+    def register_load_state_pre_hook(
+        self, hook: Callable[..., None]
+    ) -> torch.utils.hooks.RemovableHandle:
+        """Call ``hook(models, input_dir)`` on every rank in :meth:`load_state` once every file
+        is verified, before any model is loaded: ``models`` a list of the prepared models;
+        those the hook removes from it are not loaded (the others are, in order);
+        ``input_dir`` the version folder read.
+
+        Returns:
+            A ``torch.utils.hooks.RemovableHandle``: ``remove()`` unregisters the hook.
+
+        Raises:
+            TypeError: ``hook`` is not callable.
+            NotImplementedError: (from :meth:`load_state`) a prepared model is sharded.
+        """
+        return prehooks.register(self._state_pre_hooks.load, hook)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include ``objects`` (each with ``state_dict()`` and ``load_state_dict()``, e.g. an

@@ -19,6 +19,9 @@ from kwplug.utils.dataclasses import DataLoaderConfiguration, DistributedType
 from kwplug.utils.memory import release_memory
 
 F = TypeVar("F", bound=Callable[..., Any])
+_MULTI_DEVICE = frozenset(
+    t for t in DistributedType if t.name.startswith("MULTI_") and t is not DistributedType.MULTI_CPU
+)
 
 
 class _DataAndProcessAPI(_process.Ranks):
@@ -140,6 +143,37 @@ class _DataAndProcessAPI(_process.Ranks):
             self.distributed_type,
             self.mixed_precision,
         )
+
+    @property
+    def multi_device(self) -> bool:
+        """True when several processes train on accelerators (``distributed_type`` one of
+        the ``MULTI_<device>`` types other than ``MULTI_CPU``), as in Accelerate."""
+        return self.use_distributed and self.distributed_type in _MULTI_DEVICE
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """True when ``distributed_type`` is ``FSDP`` and no prepared model is wrapped in
+        torch's FSDP1 ``FullyShardedDataParallel`` (kwplug shards through ``fully_shard``)."""
+        if self.distributed_type is not DistributedType.FSDP:
+            return False
+        fsdp1 = getattr(getattr(torch.distributed, "fsdp", None), "FullyShardedDataParallel", ())
+        return not any(isinstance(m, fsdp1) for m in self._prepared.models)
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        """:attr:`is_fsdp2`, as in Accelerate."""
+        return self.is_fsdp2
+
+    @property
+    def should_save_model(self) -> bool:
+        """:attr:`is_local_main_process`: Accelerate's answer without a
+        ``parallelism_config`` (which kwplug does not have)."""
+        return self.is_local_main_process
+
+    def verify_device_map(self, model: torch.nn.Module) -> bool:
+        """True when a submodule of ``model`` has an ``hf_device_map`` of more than one entry
+        (loaded with big model inference, e.g. ``device_map="auto"``)."""
+        return any(len(getattr(m, "hf_device_map", ())) > 1 for m in model.modules())
 
     # -- which process runs what ---------------------------------------------------------
 

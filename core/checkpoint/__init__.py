@@ -16,6 +16,8 @@ One module per concern:
 - :mod:`~kwplug.checkpoint._rng`: RNG states; :mod:`~kwplug.checkpoint._sharded`: ``DTensor``
   models and their optimizers;
 - :mod:`~kwplug.checkpoint._api`: the ``Accelerator`` methods;
+- :mod:`~kwplug.checkpoint._prehooks`: ``register_save_state_pre_hook`` and
+  ``register_load_state_pre_hook`` (user code that saves and loads some models itself);
 - :mod:`~kwplug.checkpoint._naming`: automatic checkpoint naming (``checkpoint_<i>``,
   ``total_limit``).
 """

@@ -16,6 +16,7 @@ from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _lock as lock
 from kwplug.checkpoint import _manifest as manifest
 from kwplug.checkpoint import _plan as plan
+from kwplug.checkpoint import _prehooks as prehooks
 from kwplug.checkpoint import _resize as resize
 from kwplug.checkpoint._stateful import ShardedModelState, ShardedOptimizerState
 from kwplug.errors import CheckpointError
@@ -78,6 +79,7 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str]) -> 
         if error is not None:
             raise CheckpointError(error, directory)
         staging = Path(staging_name)
+        entries, error = prehooks.saving(acc, entries, staging)  # the user's save hooks
         records: dict[str, tuple[int, str]] = {}
         for entry in entries:
             if entry.scope == "main" and not main:
@@ -98,11 +100,12 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str]) -> 
         if main:
             try:
                 if not errors:
-                    commit.finish(staging, {k: v for r, _ in shared for k, v in r.items()})
-            except OSError as exc:
+                    written = {k: v for r, _ in shared for k, v in r.items()}
+                    commit.finish(staging, prehooks.with_written(acc, staging, written))
+            except (OSError, CheckpointError) as exc:
                 errors.append(_failed(exc, f"committing {staging}"))
             if errors:
-                commit.abort(staging)
+                prehooks.abort(acc, staging)
             commit.reached("unlock")
         errors = [e for group in _share(acc, errors) for e in group]
     if errors:
@@ -120,7 +123,9 @@ def _read(acc: Accelerator, directory: Path, entries: list[plan.Entry]) -> dict[
     main = acc.is_main_process
     wanted = {e.file for e in entries if e.scope != "collective" or main}
     for name in sorted(records):
-        if not layout.is_rank_file(name) and name not in {e.file for e in entries}:
+        # Files save hooks wrote are the load hooks' (verified by prehooks.loading).
+        own = layout.is_own_file(name) and not layout.is_rank_file(name)
+        if own and name not in {e.file for e in entries}:
             raise CheckpointError(
                 f"{directory / name}: this run prepared no object for it (prepare the same "
                 "models, optimizers and registered objects as the run that saved it)",
@@ -131,7 +136,7 @@ def _read(acc: Accelerator, directory: Path, entries: list[plan.Entry]) -> dict[
             raise CheckpointError(
                 f"{directory / entry.file} is missing from the checkpoint", directory / entry.file
             )
-    names = sorted(records) if main else sorted(wanted & records.keys())
+    names = sorted(filter(layout.is_own_file, records) if main else wanted & records.keys())
     states: dict[str, Any] = {}
     for name, data in manifest.verified(directory, records, names).items():
         states[name] = codec.decode(data, directory / name)
@@ -180,6 +185,7 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str]) -> P
     error: CheckpointError | None = None
     try:  # saved by another number of processes: every rank reads rank 0's file
         entries = resize.rank_entries(entries, manifest.read(directory), acc.num_processes)
+        entries = prehooks.loading(acc, entries, directory)  # the user's load hooks
         states = _read(acc, directory, entries)
     except CheckpointError as exc:
         error = exc

@@ -75,11 +75,11 @@ def resolve_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
 
 
 def _owned(folder: Path) -> bool:
-    # Only a folder of kwplug's own regular files is deleted: never anything of the user's.
-    return all(
-        layout.is_own_file(child.name) and child.is_file() and not child.is_symlink()
-        for child in folder.iterdir()
-    )
+    # Only a folder of kwplug's own regular files (and of those its manifest lists: what
+    # save_state pre-hooks wrote) is deleted: never anything of the user's.
+    from kwplug.checkpoint import _prehooks as prehooks
+
+    return prehooks.owned(folder)
 
 
 def _discard(folder: Path, number: int) -> None:

@@ -16,6 +16,7 @@ A checkpoint directory ``DIR`` (which may hold anything else too)::
         accumulation_<r>.safetensors  per rank, only when saved in the middle of a
                                     gradient accumulation: the models' local .grad, the
                                     micro-batch count, the optimizers' per-step flags
+        <anything>                  files a save_state pre-hook wrote (_prehooks.py)
         MANIFEST.json               every file above with its size and sha256
         COMPLETE                    written last: a version without it does not exist
     .kwplug-trash-<n>-<pid>/      a version being deleted (never read)

@@ -49,7 +49,7 @@ def read(directory: Path) -> dict[str, Record]:
         ) from None
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise CheckpointError(f"{path} is not a kwplug manifest: {exc}", path) from exc
-    present = {p.name for p in directory.iterdir()} - {layout.MANIFEST, layout.MARKER}
+    present = files(directory) - {layout.MANIFEST, layout.MARKER}
     for name in sorted(present - records.keys()):
         raise CheckpointError(f"{directory / name} is not listed in the manifest", directory / name)
     for name in sorted(records.keys() - present):
@@ -57,6 +57,19 @@ def read(directory: Path) -> dict[str, Record]:
             f"{directory / name} is missing (listed in the manifest)", directory / name
         )
     return records
+
+
+def files(directory: Path) -> set[str]:
+    """Every entry under ``directory`` as a relative POSIX path: files, and anything not a
+    plain directory (links, FIFOs) or an empty directory, which a manifest must list."""
+    found: set[str] = set()
+    for child in directory.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            inner = files(child)
+            found |= {f"{child.name}/{name}" for name in inner} if inner else {child.name}
+        else:
+            found.add(child.name)
+    return found
 
 
 def read_regular(path: Path, limit: int | None = None) -> bytes:

@@ -1,0 +1,204 @@
+"""``register_save_state_pre_hook`` / ``register_load_state_pre_hook``: user code that saves
+or loads some prepared models itself (e.g. diffusers' LoRA scripts: ``save_pretrained`` of
+the adapters only), as in Accelerate.
+
+On save, every rank calls each hook as ``hook(models, weights, output_dir)`` after the new
+version folder is staged: ``models`` the prepared models, ``weights`` their unwrapped state
+dicts, ``output_dir`` the version folder. The dicts left in ``weights`` are saved in order as
+``model_0``, ``model_1``... (a hook that removed a dict removed that model from the
+checkpoint). The files the hooks wrote there become part of the version: listed in its
+manifest with their sha256, committed, pruned and verified with kwplug's own.
+
+On load, once every file of the version is verified, every rank calls each hook as
+``hook(models, input_dir)``; the models left in the list are loaded, in order, from
+``model_0``, ``model_1``...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from kwplug.checkpoint import _codec as codec
+from kwplug.checkpoint import _layout as layout
+from kwplug.checkpoint import _manifest as manifest
+from kwplug.checkpoint import _sharded as sharded
+from kwplug.checkpoint._checks import qualified_name
+from kwplug.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from kwplug.accelerator import Accelerator
+    from kwplug.checkpoint._plan import Entry
+
+SaveHook = Callable[[list[torch.nn.Module], list[dict[str, Any]], str], None]
+LoadHook = Callable[[list[torch.nn.Module], str], None]
+
+
+@attrs.define
+class StatePreHooks:
+    """An Accelerator's registered hooks, by ``RemovableHandle`` id (``OrderedDict``s: the
+    handle holds a weak reference to its dict, which a plain ``dict`` cannot have)."""
+
+    save: OrderedDict[int, SaveHook] = attrs.Factory(OrderedDict)
+    load: OrderedDict[int, LoadHook] = attrs.Factory(OrderedDict)
+
+
+def register(hooks: OrderedDict[int, Any], hook: Callable[..., None]) -> RemovableHandle:
+    """Add ``hook`` to ``hooks``; ``remove()`` on the returned handle takes it out."""
+    if not callable(hook):
+        raise TypeError(f"a state pre-hook must be callable, got {type(hook).__qualname__}")
+    handle = RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
+class _Weights:
+    """A state dict a save hook left in ``weights``, saved as it is (``Stateful``)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise NotImplementedError("saved weights are loaded into their model")  # never called
+
+
+def _refuse_sharded(acc: Accelerator, what: str) -> None:
+    # A sharded model's state dict is gathered collectively: a hook that drops it on some
+    # ranks (diffusers' pop on the main process only) would leave the others waiting.
+    for model in acc._models:
+        if sharded.is_sharded(acc.unwrap_model(model)):
+            raise NotImplementedError(
+                f"register_{what}_state_pre_hook with a sharded model "
+                f"({type(acc.unwrap_model(model)).__qualname__}, DTensor parameters) is not "
+                "supported: remove the hook's handle, or save that model with save_model"
+            )
+
+
+def _is_model_entry(entry: Entry, count: int) -> bool:
+    return entry.file in {layout.model_file(i) for i in range(count)}
+
+
+def saving(acc: Accelerator, entries: list[Entry], staging: Path) -> tuple[list[Entry], str | None]:
+    """Run the save hooks (every rank) and replace the model entries by the weights they
+    left; also an error message when a hook wrote a name kwplug writes itself."""
+    hooks = acc._state_pre_hooks.save
+    if not hooks:
+        return entries, None
+    from kwplug.checkpoint._plan import Entry
+
+    _refuse_sharded(acc, "save")
+    modules = [acc.unwrap_model(m) for m in acc._models]
+    weights: list[dict[str, Any]] = [m.state_dict() for m in modules]
+    kinds = {id(w): qualified_name(m) for w, m in zip(weights, modules, strict=True)}
+    for hook in list(hooks.values()):
+        hook(list(acc._models), weights, str(staging))
+    kept = [
+        Entry(layout.model_file(j), _Weights(w), "main", kinds.get(id(w), qualified_name(w)))
+        for j, w in enumerate(weights)
+    ]
+    planned = kept + [e for e in entries if not _is_model_entry(e, len(modules))]
+    if not acc.is_main_process:
+        return planned, None
+    # Names the main process writes next (other ranks may have written theirs already).
+    clash = sorted({e.file for e in planned} & {p.name for p in staging.iterdir()})
+    if clash:
+        return planned, f"a save_state pre-hook wrote {staging / clash[0]}, a name kwplug writes"
+    return planned, None
+
+
+def with_written(
+    acc: Accelerator, staging: Path, records: dict[str, manifest.Record]
+) -> dict[str, manifest.Record]:
+    """``records`` and a record for each file the save hooks wrote into ``staging``.
+
+    Raises:
+        CheckpointError: a hook wrote something else than regular files in folders (a link,
+            a FIFO, an empty folder), or a name kwplug writes itself.
+    """
+    if not acc._state_pre_hooks.save:
+        return records
+    out = dict(records)
+    for name in sorted(manifest.files(staging) - records.keys()):
+        if layout.is_own_file(name):
+            raise CheckpointError(
+                f"a save_state pre-hook wrote {staging / name}, a name kwplug writes itself",
+                staging / name,
+            )
+        data = manifest.read_regular(staging / name)  # refuses links, FIFOs, empty folders
+        out[name] = (len(data), codec.digest(data))
+    return out
+
+
+def abort(acc: Accelerator, staging: Path) -> None:
+    """Remove the version folder of a failed save; with save hooks, also what they wrote
+    there (the folder is this save's: kwplug created it moments ago)."""
+    from kwplug.checkpoint import _commit as commit
+
+    number = layout.version_number(staging.name)
+    if not acc._state_pre_hooks.save or number is None or not staging.is_dir():
+        commit.abort(staging)
+        return
+    trash = staging.with_name(layout.trash_name(number, os.getpid()))
+    os.replace(staging, trash)  # atomic, as commit's: from here on nothing reads it
+    shutil.rmtree(trash)
+
+
+def loading(acc: Accelerator, entries: list[Entry], directory: Path) -> list[Entry]:
+    """Verify every file of ``directory`` (also those the save hooks wrote), then run the load
+    hooks (every rank) and replace the model entries by the models they left, in order.
+
+    Raises:
+        CheckpointError: a file is missing, not listed, truncated or altered.
+    """
+    hooks = acc._state_pre_hooks.load
+    if not hooks:
+        return entries
+    from kwplug.checkpoint._plan import Entry
+
+    _refuse_sharded(acc, "load")
+    records = manifest.read(directory)
+    for name in sorted(records):  # one at a time: never the whole checkpoint in memory
+        manifest.verified(directory, records, [name])
+    models = list(acc._models)
+    count = len(models)
+    for hook in list(hooks.values()):
+        hook(models, str(directory))
+    kept = []
+    for j, model in enumerate(models):
+        module = acc.unwrap_model(model)
+        kept.append(Entry(layout.model_file(j), module, "main", qualified_name(module)))
+    return kept + [e for e in entries if not _is_model_entry(e, count)]
+
+
+def listed(folder: Path) -> set[str]:
+    """The files ``folder``'s manifest lists (empty when it has none or it is unreadable)."""
+    try:  # read_regular: a FIFO planted as the manifest is never opened
+        body = json.loads(manifest.read_regular(folder / layout.MANIFEST, limit=1 << 24))
+        return {str(name) for name in body["files"]}
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def owned(folder: Path) -> bool:
+    """True when ``folder`` holds only regular files: kwplug's own names, and those its
+    manifest lists (what save hooks wrote); only such a version folder is ever deleted."""
+    extra = listed(folder)
+    for name in manifest.files(folder):
+        path = folder / name
+        if path.is_symlink() or not path.is_file():
+            return False
+        if not (layout.is_own_file(name) or name in extra):
+            return False
+    return True
