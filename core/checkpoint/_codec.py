@@ -129,7 +129,12 @@ def foreign_format(data: bytes) -> str | None:
 
     Pickles (protocol 2 and later, so also ``torch.save``'s legacy format) start with the
     ``PROTO`` opcode ``0x80``; ``torch.save``'s zip archives (pickles inside) with ``PK``.
+    A safetensors file starts with its header length (8 bytes, little-endian), whose first
+    byte is ``0x80`` for one length in 256: it is recognised by the ``{`` its JSON header
+    opens with at byte 8, and a length that fits the file, before the pickle check.
     """
+    if len(data) >= 9 and data[8:9] == b"{" and struct.unpack("<Q", data[:8])[0] <= len(data) - 8:
+        return None
     if data[:1] == b"\x80":
         return "it looks like a pickle; kwplug never loads pickles"
     if data[:4] == b"PK\x03\x04":

@@ -84,3 +84,19 @@ def test_too_short_state_file_says_so(tmp_path: Path) -> None:
     _plant(version, "model_0.safetensors", b"abc")
     with pytest.raises(CheckpointError, match="3 bytes, too few for a safetensors header"):
         accelerator.load_state(tmp_path / "ckpt")
+
+
+def test_state_file_whose_header_length_starts_with_0x80_loads() -> None:
+    # A safetensors header length of 128 mod 256 makes the file's first byte 0x80, the
+    # pickle PROTO opcode; such a file (found by a user: an AdamW state) must still load.
+    for width in range(300):
+        state = {"note": "x" * width, "t": torch.arange(3.0)}
+        data = codec.encode(state)
+        if data[0] == 0x80:
+            break
+    else:
+        pytest.fail("no padding width gave a header length of 128 mod 256")
+    assert codec.foreign_format(data) is None
+    loaded, _ = codec.decode(data, Path("optimizer_0.safetensors"))
+    assert loaded["note"] == state["note"] and torch.equal(loaded["t"], state["t"])
+    assert codec.foreign_format(pickle.dumps(state)) is not None
