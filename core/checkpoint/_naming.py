@@ -161,7 +161,7 @@ def save(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None) ->
     config.iteration += 1
     if config.total_limit is not None and accelerator.is_main_process:
         try:
-            prune(checkpoints, config.total_limit)
+            prune(checkpoints, config.total_limit, keep=target)
         except OSError as exc:  # the save is committed: a failed clean-up must not undo it
             warnings.warn(
                 f"total_limit: could not delete an old checkpoint in {checkpoints}: {exc}",
@@ -171,16 +171,19 @@ def save(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None) ->
     return saved
 
 
-def prune(directory: Path, total_limit: int) -> list[Path]:
+def prune(directory: Path, total_limit: int, keep: Path | None = None) -> list[Path]:
     """Delete the oldest kwplug checkpoints in ``directory`` beyond the newest ``total_limit``.
 
     Only ``checkpoint_<n>`` folders for which :func:`is_kwplug_checkpoint` holds are counted
     and deleted, oldest (smallest ``n``) first; a folder another process is saving into (its
-    lock is held) is skipped. Trash left by an interrupted prune is deleted first.
+    lock is held) is skipped, and so is ``keep``, the checkpoint just written: a run saving
+    below older, higher numbers deletes those, as Accelerate does, never its own new save.
+    Trash left by an interrupted prune is deleted first.
 
     Args:
         directory: ``<project_dir>/checkpoints``.
         total_limit: how many kwplug checkpoints to keep, >= 1.
+        keep: a folder never deleted (it still counts towards ``total_limit``).
 
     Returns:
         The folders deleted (their original paths).
@@ -191,7 +194,8 @@ def prune(directory: Path, total_limit: int) -> list[Path]:
             shutil.rmtree(child)
     ours = [f for _, f in sorted(numbered(directory).items()) if is_kwplug_checkpoint(f)]
     deleted: list[Path] = []
-    for folder in ours[: max(len(ours) - total_limit, 0)]:
+    candidates = [f for f in ours if keep is None or f != keep]
+    for folder in candidates[: max(len(ours) - total_limit, 0)]:
         trash = directory / f".kwplug-trash-{folder.name}-{os.getpid()}"
         try:
             with lock.locked(folder):

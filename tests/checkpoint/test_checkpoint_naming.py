@@ -112,7 +112,7 @@ def test_a_failed_prune_warns_and_keeps_the_save(
 ) -> None:
     accelerator, _ = _accelerator(tmp_path, total_limit=1)
 
-    def refuse(directory: Path, total_limit: int) -> list[Path]:
+    def refuse(directory: Path, total_limit: int, keep: Path | None = None) -> list[Path]:
         raise PermissionError(13, "Permission denied", str(directory))
 
     monkeypatch.setattr(naming, "prune", refuse)
@@ -248,3 +248,31 @@ def test_two_processes_agree(tmp_path: Path) -> None:
         "weight": [[3.0, 3.0]],
         "refused": True,
     }
+
+
+def test_a_new_run_saving_below_older_numbers_keeps_its_save(tmp_path: Path) -> None:
+    # A run that does not load_state restarts at checkpoint_0 next to higher, older numbers:
+    # the new save stays and an older one goes (Accelerate: the same folders).
+    from accelerate import Accelerator as AccelerateAccelerator
+    from accelerate.utils import ProjectConfiguration as AccelerateConfig
+
+    def theirs() -> Any:
+        config = AccelerateConfig(
+            project_dir=str(tmp_path / "a"), automatic_checkpoint_naming=True, total_limit=2
+        )
+        accelerator = AccelerateAccelerator(cpu=True, project_config=config)
+        accelerator.prepare(torch.nn.Linear(2, 1))
+        return accelerator
+
+    first, _ = _accelerator(tmp_path / "k", total_limit=2, iteration=5)
+    reference = theirs()
+    reference.project_configuration.iteration = 5
+    for _ in range(2):
+        first.save_state()
+        reference.save_state()
+    second, _ = _accelerator(tmp_path / "k", total_limit=2)
+    again = theirs()
+    saved = second.save_state()
+    again.save_state()
+    assert saved.is_dir() and saved.name == "checkpoint_0"
+    assert _names(tmp_path / "k") == _names(tmp_path / "a") == ["checkpoint_0", "checkpoint_6"]
