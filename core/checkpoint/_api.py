@@ -79,7 +79,12 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str]) -> 
         if error is not None:
             raise CheckpointError(error, directory)
         staging = Path(staging_name)
-        entries, error = prehooks.saving(acc, entries, staging)  # the user's save hooks
+        try:
+            entries, error = prehooks.saving(acc, entries, staging)  # the user's save hooks
+        except BaseException:  # a hook raised: nothing of this save may stay behind
+            if main:
+                prehooks.abort(acc, staging)
+            raise
         records: dict[str, tuple[int, str]] = {}
         for entry in entries:
             if entry.scope == "main" and not main:

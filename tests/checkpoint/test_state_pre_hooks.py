@@ -196,3 +196,26 @@ def test_two_processes_match_accelerate(tmp_path: Path) -> None:
         assert ours["calls"] == theirs["calls"] == [("save", 2, 2), ("load", 2, 0)]
         assert _equal(ours["loaded"], theirs["loaded"])
         assert _equal(ours["loaded"], ours["trained"])
+
+
+def test_a_save_hook_that_raises_leaves_nothing_and_the_retry_saves(tmp_path: Path) -> None:
+    from kwplug.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    accelerator = kwplug.Accelerator(cpu=True, project_config=config)
+    accelerator.prepare(torch.nn.Linear(2, 1))
+    fail = [True]
+
+    def hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        (Path(output_dir) / "lora.bin").write_bytes(b"adapter")
+        if fail[0]:
+            raise RuntimeError("upload failed")
+
+    accelerator.register_save_state_pre_hook(hook)
+    with pytest.raises(RuntimeError, match="upload failed"):
+        accelerator.save_state()
+    leftovers = [p.name for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()]
+    assert "lora.bin" not in leftovers
+    fail[0] = False
+    saved = accelerator.save_state()
+    assert saved.name == "checkpoint_0" and list(saved.rglob("lora.bin"))
