@@ -113,6 +113,20 @@ class CheckpointError(KwplugError, ValueError):
         self.file = None if file is None else os.fspath(file)
 
 
+class NotCheckpointableError(KwplugError, ValueError, TypeError):
+    """``register_for_checkpointing`` got objects without ``state_dict()`` and
+    ``load_state_dict()``: a ``ValueError``, as Accelerate raises, and a ``TypeError``, as
+    kwplug raised before.
+
+    Attributes:
+        indices: the positions of the invalid objects among the arguments.
+    """
+
+    def __init__(self, message: str, *, indices: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.indices = indices
+
+
 class DistributedRunError(KwplugError, AssertionError):
     """A ``kwplug.testing`` distributed run failed: the message holds the failing rank's
     traceback and the tail of the job's output (an ``AssertionError``, so pytest reports it as

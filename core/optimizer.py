@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from kwplug.utils.structures import send_to_device
+
 
 class SyncState(Protocol):
     """What the wrapper reads from the Accelerator: whether this step synchronises gradients
@@ -69,6 +71,11 @@ class ScalerUpdates:
             self._stepped.clear()
             self.scaler.update()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Members are kept by id(), which a copy does not share: each unpickled optimizer adds
+        # itself again (AcceleratedOptimizer.__setstate__).
+        return {"scaler": self.scaler, "_members": set(), "_stepped": set()}
+
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """An optimizer prepared by an ``Accelerator``.
@@ -81,13 +88,22 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     optimizer of the Accelerator (:class:`ScalerUpdates`). Every other attribute
     (``param_groups``, ``state``, ``state_dict``, ...) is the wrapped optimizer's.
 
+    A prepared optimizer pickles (``pickle``, ``copy.deepcopy``) with the optimizer it wraps,
+    its scaler and its state; the copy steps and skips steps as the original.
+
     Args:
         optimizer: the ``torch.optim.Optimizer`` to wrap.
+        device_placement: Accelerate's, default ``True``: with a ``device``, the optimizer's
+            existing state (``state_dict()``, e.g. loaded before ``prepare``) is moved there
+            (``optimizer.load_state_dict`` of the moved state, as Accelerate); ``False`` leaves
+            it where it is.
         scaler: the ``torch.amp.GradScaler`` (fp16), or ``None`` (default).
         gradient_state: whether the current step synchronises gradients; ``None`` (default):
             every step does.
         scaler_updates: the :class:`ScalerUpdates` shared with the other optimizers using
             ``scaler``; default: one of its own.
+        device: where ``device_placement`` moves the state (the ``Accelerator`` passes its
+            ``device``); default ``None``: nowhere.
 
     Attributes:
         optimizer: the wrapped optimizer.
@@ -100,11 +116,22 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def __init__(  # pylint: disable=super-init-not-called
         self,
         optimizer: torch.optim.Optimizer,
+        device_placement: bool = True,
         scaler: torch.amp.GradScaler | None = None,
         gradient_state: SyncState | None = None,
         scaler_updates: ScalerUpdates | None = None,
+        *,
+        device: torch.device | None = None,
     ) -> None:
+        if not isinstance(device_placement, bool):
+            raise TypeError(
+                f"device_placement must be a bool, got {type(device_placement).__name__}"
+            )
+        if device_placement and device is not None and optimizer.state:
+            moved = send_to_device(optimizer.state_dict(), device)
+            optimizer.load_state_dict(moved)
         self.optimizer = optimizer
+        self.device_placement = device_placement
         self.scaler = scaler
         self.gradient_state = gradient_state
         self._is_overflow = False
@@ -113,12 +140,27 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._updates: ScalerUpdates | None = None
         if scaler is not None:
             self._updates = scaler_updates or ScalerUpdates(scaler)
-            self._updates.add(self)
-            # GradScaler.step skips optimizer.step() on inf/NaN; a post-step hook (public
-            # torch API) tells whether it ran.
-            register = getattr(optimizer, "register_step_post_hook", None)
-            if register is not None:
-                register(self._record_step)
+            self._follow_steps()
+
+    def _follow_steps(self) -> None:
+        assert self._updates is not None
+        self._updates.add(self)
+        # GradScaler.step skips optimizer.step() on inf/NaN; a post-step hook (public torch
+        # API) tells whether it ran.
+        register = getattr(self.optimizer, "register_step_post_hook", None)
+        if register is not None:
+            register(self._record_step)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim.Optimizer.__getstate__ keeps only defaults/state/param_groups, which
+        # are the wrapped optimizer's here: keep the wrapper's own attributes instead.
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._updates is not None:
+            # The wrapped optimizer's step hooks are not pickled (torch keeps only its state).
+            self._follow_steps()
 
     def _record_step(self, *_: Any) -> None:
         self._ran = True

@@ -82,6 +82,15 @@ class AcceleratedScheduler:
         """The wrapped scheduler's ``get_last_lr()``."""
         return self.scheduler.get_last_lr()
 
+    def print_lr(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped scheduler's ``print_lr``, as Accelerate's.
+
+        Raises:
+            AttributeError: the scheduler has none (torch 2.13's ``LRScheduler`` has not).
+        """
+        scheduler: Any = self.scheduler
+        return scheduler.print_lr(*args, **kwargs)
+
     def get_lr(self) -> Any:
         """The wrapped scheduler's ``get_lr()``."""
         return self.scheduler.get_lr()

@@ -118,6 +118,8 @@ class PreparedDataLoader(DataLoader[Any]):
 
     Attributes:
         device: where batches are moved (``None``: left where the collate function put them).
+        device_placement: ``False`` (``prepare(..., device_placement=[False])``): batches are
+            left where the collate function put them (``device`` still serves collectives).
         epoch: the epoch of the current (or next) iteration; it advances when an iteration
             completes (an iteration left early is restarted at the same epoch).
         batches_yielded: batches of the current epoch handed out so far, skipped ones included.
@@ -142,6 +144,7 @@ class PreparedDataLoader(DataLoader[Any]):
         # informative here (the per-process batch size), so bypass its check.
         object.__setattr__(self, "batch_size", batch_size_per_process)
         self.device = device
+        self.device_placement = True
         self.sharding = sharding or Sharding()
         self.tracker = tracker
         self.on_end: list[Callable[[PreparedDataLoader], None]] = []
@@ -172,8 +175,11 @@ class PreparedDataLoader(DataLoader[Any]):
         return length % size
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next iteration, from its start."""
+        """Use ``epoch`` for the next iteration, from its start; passed at once, as by
+        Accelerate's ``DataLoaderShard``, to the batch sampler, the samplers and the data set
+        that have a ``set_epoch`` (a custom batch sampler's included)."""
         self.epoch, self.batches_yielded, self._skip, self._restore = epoch, 0, 0, None
+        self._set_epoch_everywhere(epoch)
 
     def skip_first_batches(self, num_batches: int) -> None:
         """Start the next iteration at batch ``num_batches``, as Accelerate's resume idiom.
@@ -314,7 +320,7 @@ class PreparedDataLoader(DataLoader[Any]):
     def _look_ahead(self, iterator: Iterator[Any]) -> Iterator[Any]:
         current = next(iterator, _END)
         while current is not _END:
-            if self.device is not None:
+            if self.device is not None and self.device_placement:
                 current = to_device(current, self.device, self.sharding.non_blocking)
             following = next(iterator, _END)
             self.end_of_dataloader = following is _END

@@ -94,6 +94,12 @@ class GradientState:
         return self.loaders.active
 
     @property
+    def active_dataloader(self) -> Any:
+        """Accelerate's name of :attr:`active_loader`: the innermost prepared data loader
+        being iterated, or ``None``."""
+        return self.loaders.active
+
+    @property
     def in_dataloader(self) -> bool:
         """Whether a prepared data loader is being iterated."""
         return self.loaders.active is not None
@@ -272,16 +278,38 @@ class _GradientAccumulation:
         wrapped: AcceleratedScheduler = self._prepared.scheduler(scheduler)
         return wrapped
 
-    def unscale_gradients(self) -> None:
-        """Unscale the gradients of every prepared optimizer (fp16 gradient scaler), once per
-        optimizer step; nothing without a scaler."""
-        for optimizer in self._prepared.optimizers:
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Unscale the gradients of prepared optimizers (fp16 gradient scaler), once per
+        optimizer step; nothing without a scaler.
+
+        Args:
+            optimizer: a prepared optimizer (or the optimizer it wraps), or a list of them;
+                default ``None``: every prepared optimizer (as Accelerate).
+
+        Raises:
+            ValueError: an optimizer that this Accelerator did not prepare.
+        """
+        prepared = self._prepared.optimizers
+        if optimizer is None:
+            chosen = list(prepared)
+        else:
+            wanted = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+            chosen = []
+            for item in wanted:
+                match = [o for o in prepared if item is o or item is o.optimizer]
+                if not match:
+                    raise ValueError(
+                        f"unscale_gradients: {type(item).__name__} was not prepared by this "
+                        "Accelerator (pass the optimizer prepare() returned)"
+                    )
+                chosen.extend(match)
+        for optimizer in chosen:
             unscale = getattr(optimizer, "unscale_gradients", None)
             if unscale is not None:
                 unscale()
 
     def clip_grad_norm_(
-        self, parameters: Any, max_norm: float, norm_type: float = 2.0
+        self, parameters: Any, max_norm: float, norm_type: float = 2
     ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` of the unscaled gradients.
 

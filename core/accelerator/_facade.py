@@ -17,8 +17,10 @@ from kwplug._plugins import Answer, KwplugPluginManager
 from kwplug.accelerator import _metrics, _ops
 from kwplug.accelerator._accumulation import GradientState, _GradientAccumulation
 from kwplug.accelerator._io import _Checkpoints, _TrackersAndSaving
+from kwplug.accelerator._keywords import check_bool
 from kwplug.accelerator._options import resolve_options
 from kwplug.accelerator._prepare import _Prepared
+from kwplug.accelerator._prepare_api import _PrepareAPI
 from kwplug.accelerator._process_api import _DataAndProcessAPI
 from kwplug.accelerator._setup import _Setup, resolve
 from kwplug.accelerator._tracking import LogWith, _Trackers
@@ -32,7 +34,9 @@ from kwplug.utils.dataclasses import (
 )
 
 
-class Accelerator(_GradientAccumulation, _TrackersAndSaving, _Checkpoints, _DataAndProcessAPI):
+class Accelerator(
+    _PrepareAPI, _GradientAccumulation, _TrackersAndSaving, _Checkpoints, _DataAndProcessAPI
+):
     """Runs a training loop on the device and processes chosen by torchrun, through plugins.
 
     Every torch object it builds -- the process group, the autocast context, the gradient
@@ -42,7 +46,7 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving, _Checkpoints, _Data
     :meth:`prepare`; per training step only ``no_sync``, inside :meth:`accumulate`.
 
     Args:
-        mixed_precision: ``"no"`` (default; ``None`` means it too), ``"fp16"``
+        mixed_precision: ``None`` (default, as Accelerate) or ``"no"``: full precision; ``"fp16"``
             (``torch.autocast`` to float16 and a ``torch.amp.GradScaler``) or ``"bf16"``
             (autocast to bfloat16, no scaler). Works on CPU too.
         cpu: train on the CPU even when an accelerator is available.
@@ -64,6 +68,9 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving, _Checkpoints, _Data
         project_dir: folder for checkpoints and (unless ``project_config`` sets
             ``logging_dir``) trackers' logs; overrides ``project_config.project_dir``.
         project_config: a :class:`kwplug.utils.ProjectConfiguration` (default: a new one).
+        device_placement: default ``True``: :meth:`prepare` moves models, optimizer state and
+            batches to :attr:`device`; ``False``: nothing is moved unless a ``prepare*``
+            call's ``device_placement`` says so (as Accelerate).
 
     Gradient accumulation (``accumulate``, ``no_sync``, ``backward``, clipping), trackers and
     saving (``init_trackers``, ``log``, ``save_model``), data-loader, metrics and
@@ -101,7 +108,7 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving, _Checkpoints, _Data
 
     def __init__(
         self,
-        mixed_precision: Literal["no", "fp16", "bf16"] | str | None = "no",
+        mixed_precision: Literal["no", "fp16", "bf16"] | str | None = None,
         cpu: bool = False,
         kwargs_handlers: Sequence[KwargsHandler] | None = None,
         *,
@@ -114,6 +121,7 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving, _Checkpoints, _Data
         step_scheduler_with_optimizer: bool = True,
         split_batches: bool | None = None,
         even_batches: bool | None = None,
+        device_placement: bool = True,
     ) -> None:
         options = resolve_options(
             gradient_accumulation_steps, gradient_accumulation_plugin, dataloader_config,
@@ -126,6 +134,7 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving, _Checkpoints, _Data
         )
         setup = self._setup
         self.mixed_precision: str = setup.mixed_precision
+        self.device_placement: bool = check_bool("device_placement", device_placement)
         self.handlers: list[KwargsHandler] = setup.handlers
         self.plugin_manager: KwplugPluginManager = setup.plugins
         #: Which plugin answered each setup hook (``Answer`` records), for debugging.
@@ -177,55 +186,7 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving, _Checkpoints, _Data
         ``use_distributed``)."""
         return self.use_distributed
 
-    # -- prepare (kwplug.accelerator._prepare) -----------------------------------------------
-
-    def prepare(self, *objs: Any) -> Any:
-        """Prepare models, optimizers and data loaders for training, in the order given.
-
-        - ``torch.nn.Module``: moved to :attr:`device`, then wrapped through the
-          ``wrap_model`` hook (DDP when ``num_processes > 1`` by default).
-        - ``torch.optim.Optimizer``: wrapped in a :class:`~kwplug.optimizer.AcceleratedOptimizer`
-          (skips steps while gradients accumulate; steps through the gradient scaler).
-        - ``torch.optim.lr_scheduler.LRScheduler``: wrapped in a
-          :class:`~kwplug.scheduler.AcceleratedScheduler` (after the other objects, so it finds
-          its optimizer) and saved by :meth:`save_state`.
-        - ``torch.utils.data.DataLoader``: each rank gets Accelerate's batches
-          (:func:`kwplug.data.prepare_dataloader`, ``dataloader_config``), moved to
-          :attr:`device`.
-        - anything else: returned unchanged.
-
-        Create the optimizer from the model's parameters before or after ``prepare``: DDP
-        shares the parameters, and when a wrapper replaces them (FSDP2's ``fully_shard``
-        registers ``DTensor`` parameters) every optimizer prepared by this Accelerator, before
-        or after the model, is pointed at the new parameters, matched by name.
-
-        Returns:
-            The prepared object when one was given, else a tuple in the same order.
-        """
-        return self._prepared.prepare(objs)
-
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move ``model`` to :attr:`device` and wrap it through the ``wrap_model`` hook.
-
-        Parameters the wrapper replaced are recorded by name; optimizers prepared by this
-        Accelerator (already, or later) are pointed at the replacements.
-        """
-        return self._prepared.model(model)
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Wrap ``optimizer`` in an :class:`~kwplug.optimizer.AcceleratedOptimizer`.
-
-        When a prepared model's wrapper replaced parameters, the optimizer's param groups are
-        pointed at the replacements first.
-        """
-        return self._prepared.optimizer(optimizer)
-
-    def prepare_data_loader(
-        self, loader: DataLoader[Any], seed: int | None = None
-    ) -> DataLoader[Any]:
-        """Shard ``loader`` per rank as Accelerate does (:func:`kwplug.data.prepare_dataloader`);
-        ``seed`` fixes the shuffle instead of a draw from torch's global generator."""
-        return self._prepared.data_loader(loader, seed)
+    # -- prepare, prepare_model, prepare_optimizer, prepare_data_loader: ._prepare_api ------
 
     # -- per step ----------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import torch
 
 from kwplug import checkpoint
 from kwplug._plugins import KwplugPluginManager
-from kwplug.accelerator import _saving
+from kwplug.accelerator import _keywords, _saving
 from kwplug.accelerator._tracking import _Trackers
 from kwplug.checkpoint import _naming
 from kwplug.checkpoint import _prehooks as prehooks
@@ -60,11 +60,29 @@ class _TrackersAndSaving:
         return self._trackers.get(name, unwrap)
 
     def unwrap_model(
-        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True
+        self,
+        model: torch.nn.Module,
+        keep_fp32_wrapper: bool = True,
+        keep_torch_compile: bool = True,
     ) -> torch.nn.Module:
-        """The user's module inside torch's wrappers and plugins' (``unwrap_model`` hook);
-        ``keep_fp32_wrapper`` is Accelerate's (kwplug never patches ``forward``)."""
-        return _saving.unwrap(model, self.plugin_manager)
+        """The user's module inside torch's wrappers (DDP, ``DataParallel``) and plugins'
+        (``unwrap_model`` hook), as Accelerate's ``extract_model_from_parallel``.
+
+        Args:
+            model: a prepared model.
+            keep_fp32_wrapper: Accelerate's (default ``True``); kwplug never patches
+                ``forward``, so there is no wrapper to remove.
+            keep_torch_compile: default ``True``: a ``torch.compile`` wrapper
+                (``torch._dynamo.OptimizedModule``) directly around the user's module is
+                kept and returned; ``False``: its ``_orig_mod`` is returned.
+
+        Raises:
+            TypeError: a flag is not a ``bool``; a plugin's ``unwrap_model`` returned
+                something else than a module.
+        """
+        _keywords.check_bool("keep_fp32_wrapper", keep_fp32_wrapper)
+        _keywords.check_bool("keep_torch_compile", keep_torch_compile)
+        return _saving.unwrap(model, self.plugin_manager, keep_torch_compile=keep_torch_compile)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """The full state dict (a sharded model's gathered to rank 0, on the CPU)."""
@@ -145,7 +163,9 @@ class _Checkpoints:
         LR scheduler or a step counter) in :meth:`save_state` / :meth:`load_state`.
 
         Raises:
-            TypeError: an object lacks ``state_dict`` or ``load_state_dict``.
+            kwplug.errors.NotCheckpointableError: (a ``ValueError``, as Accelerate's, and a
+                ``TypeError``) an object lacks ``state_dict`` or ``load_state_dict``; the
+                message lists each one by index, and none of ``objects`` is registered.
         """
         checkpoint.register_for_checkpointing(cast("Accelerator", self), *objects)
 
@@ -156,7 +176,12 @@ class _Checkpoints:
         """``project_configuration.iteration``: the number of the next automatic checkpoint."""
         return self.project_configuration.iteration
 
-    def save_state(self, output_dir: str | os.PathLike[str] | None = None) -> Path:
+    def save_state(
+        self,
+        output_dir: str | os.PathLike[str] | None = None,
+        safe_serialization: bool = True,
+        **save_model_func_kwargs: Any,
+    ) -> Path:
         """Save everything needed to resume training exactly, atomically.
 
         Saves the prepared models (unwrapped ``state_dict``), optimizers, the gradient scaler,
@@ -188,11 +213,18 @@ class _Checkpoints:
                 older versions are deleted once it is complete; nothing else there is touched.
                 Default ``None``: only with automatic naming (which, as in Accelerate,
                 ignores ``output_dir`` with a ``KwplugWarning``).
+            safe_serialization: Accelerate's, default ``True``. kwplug writes only
+                safetensors: ``False`` (Accelerate: pickled files) saves the same checkpoint,
+                with a ``KwplugWarning``.
+            save_model_func_kwargs: Accelerate passes them only to DeepSpeed's
+                ``save_checkpoint``; kwplug has no DeepSpeed engine and ignores them with a
+                ``KwplugWarning`` naming them (Accelerate ignores them without DeepSpeed).
 
         Returns:
             The checkpoint directory.
 
         Raises:
+            TypeError: ``safe_serialization`` is not a ``bool``.
             ValueError: no ``output_dir`` and no automatic naming; automatic naming without a
                 ``project_dir``; ``checkpoint_<iteration>`` exists already (as in Accelerate).
             kwplug.checkpoint.CheckpointError: another process is saving into
@@ -204,9 +236,15 @@ class _Checkpoints:
             NotImplementedError: an optimizer steps a sharded model's parameters together
                 with parameters outside that model.
         """
+        _keywords.check_save_state(safe_serialization, save_model_func_kwargs)
         return _naming.save(cast("Accelerator", self), output_dir)
 
-    def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> Path:
+    def load_state(
+        self,
+        input_dir: str | os.PathLike[str] | None = None,
+        load_kwargs: Mapping[str, Any] | None = None,
+        **load_model_func_kwargs: Any,
+    ) -> Path:
         """Restore what :meth:`save_state` saved into the prepared objects, in place.
 
         Prepare the same models, optimizers and data loaders, in the same order, before
@@ -228,13 +266,21 @@ class _Checkpoints:
                 With automatic naming, loading ``checkpoint_<n>`` sets
                 ``project_configuration.iteration`` to ``n + 1`` (the next save continues the
                 numbering).
+            load_kwargs: Accelerate's ``torch.load`` keywords; kwplug never unpickles, so
+                non-empty ones are ignored with a ``KwplugWarning``.
+            load_model_func_kwargs: ``map_location`` (``"cpu"`` or ``"on_device"``, as
+                Accelerate: either way the states load in place, onto the prepared objects'
+                devices) and ``strict`` (``True`` only: the keys and shapes are always
+                checked); see :func:`kwplug.accelerator._keywords.check_load_state`.
 
         Returns:
             The version folder read (the newest complete one in ``input_dir``).
 
         Raises:
+            TypeError: an unknown keyword (Accelerate's model loader raises it too);
+                ``load_kwargs`` is not a mapping.
             ValueError: no ``input_dir`` and no automatic naming; automatic naming without a
-                ``project_dir``.
+                ``project_dir``; ``strict=False``; an unknown ``map_location``.
             FileNotFoundError: no complete checkpoint at ``input_dir`` (or, with automatic
                 naming, in ``checkpoints``).
             kwplug.checkpoint.CheckpointError: (a ``ValueError``) a file is missing,
@@ -246,4 +292,5 @@ class _Checkpoints:
             NotImplementedError: (also from :meth:`save_state`) an optimizer steps a sharded
                 model's parameters together with parameters outside that model.
         """
+        _keywords.check_load_state(load_kwargs, load_model_func_kwargs)
         return _naming.load(cast("Accelerator", self), input_dir)

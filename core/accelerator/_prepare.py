@@ -107,28 +107,36 @@ class _Prepared:
         validator=attrs.validators.instance_of(DataLoaderConfiguration),
     )
 
-    def prepare(self, objs: tuple[Any, ...]) -> Any:
+    def prepare(self, objs: tuple[Any, ...], placements: list[bool] | None = None) -> Any:
         """Each of ``objs`` prepared by type; one object, or a tuple in the same order.
-        Schedulers are prepared last, so that they find their prepared optimizer."""
-        prepared = [None if _is_scheduler(obj) else self._prepare_one(obj) for obj in objs]
+        Schedulers are prepared last, so that they find their prepared optimizer.
+        ``placements``: per object, whether it goes to the device (default: all)."""
+        places = [True] * len(objs) if placements is None else placements
+        prepared = [
+            None if _is_scheduler(obj) else self._prepare_one(obj, place)
+            for obj, place in zip(objs, places, strict=True)
+        ]
         prepared = [
             self.scheduler(o) if _is_scheduler(o) else p
             for o, p in zip(objs, prepared, strict=True)
         ]
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
-    def _prepare_one(self, obj: Any) -> Any:
+    def _prepare_one(self, obj: Any, place: bool) -> Any:
         if isinstance(obj, torch.nn.Module):
-            return self.model(obj)
+            return self.model(obj, place)
         if isinstance(obj, torch.optim.Optimizer):
-            return self.optimizer(obj)
+            return self.optimizer(obj, place)
         if isinstance(obj, DataLoader):
-            return self.data_loader(obj)
+            return self.data_loader(obj, device_placement=place)
         return obj
 
-    def model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move ``model`` to the device, wrap it through ``wrap_model``, follow replaced
-        parameters in every prepared optimizer.
+    def model(
+        self, model: torch.nn.Module, device_placement: bool = True, evaluation_mode: bool = False
+    ) -> torch.nn.Module:
+        """Move ``model`` to the device (unless not ``device_placement``), wrap it through
+        ``wrap_model`` (unless ``evaluation_mode``: Accelerate's, no DDP wrapper for a model
+        only evaluated), follow replaced parameters in every prepared optimizer.
 
         Raises:
             TypeError: the answering plugin returned something that is not a module.
@@ -137,7 +145,11 @@ class _Prepared:
         """
         setup = self.setup
         before = dict(model.named_parameters())
-        model = model.to(setup.device)
+        if device_placement:
+            model = model.to(setup.device)
+        if evaluation_mode:
+            self.models.append(model)
+            return model
         wrapped = setup.plugins.call_first(
             "wrap_model",
             model=model,
@@ -162,9 +174,12 @@ class _Prepared:
         self.models.append(result)
         return result
 
-    def optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+    def optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool = True
+    ) -> AcceleratedOptimizer:
         """Point ``optimizer`` at replaced parameters; wrap it in an ``AcceleratedOptimizer``
-        (stepping through the scaler when one is active)."""
+        (stepping through the scaler when one is active; its existing state moved to the
+        device with ``device_placement``)."""
         if self.remap:
             self.remap.apply(optimizer)
         if isinstance(optimizer, AcceleratedOptimizer):  # prepared already (a retry loop)
@@ -172,7 +187,14 @@ class _Prepared:
                 self.optimizers.append(optimizer)
             return optimizer
         scaler = self.setup.scaler
-        wrapped = AcceleratedOptimizer(optimizer, scaler, self.gradient_state, self.scaler_updates)
+        wrapped = AcceleratedOptimizer(
+            optimizer,
+            device_placement,
+            scaler,
+            self.gradient_state,
+            self.scaler_updates,
+            device=self.setup.device,
+        )
         if scaler is not None:
             self.scaled_optimizers.append(wrapped)
         self.optimizers.append(wrapped)
@@ -201,8 +223,11 @@ class _Prepared:
         self.custom_objects.append(wrapped)
         return wrapped
 
-    def data_loader(self, loader: DataLoader[Any], seed: int | None = None) -> PreparedDataLoader:
-        """Shard ``loader`` for this rank (:func:`kwplug.data.prepare_dataloader`)."""
+    def data_loader(
+        self, loader: DataLoader[Any], seed: int | None = None, device_placement: bool = True
+    ) -> PreparedDataLoader:
+        """Shard ``loader`` for this rank (:func:`kwplug.data.prepare_dataloader`); its batches
+        are moved to the device only with ``device_placement``."""
         process = self.setup.process
         prepared = prepare_dataloader(
             loader,
@@ -213,6 +238,7 @@ class _Prepared:
             config=self.dataloader_config,
             tracker=self.active_loaders,
         )
+        prepared.device_placement = device_placement
         if prepared not in self.dataloaders:
             self.dataloaders.append(prepared)
         return prepared

@@ -186,14 +186,26 @@ class _DataAndProcessAPI(_process.Ranks):
         """As :meth:`main_process_first`, with local rank 0 of each node first."""
         return _process.goes_first(self.is_local_main_process, self.num_processes)
 
-    def on_main_process(self, function: F) -> F:
+    def on_main_process(self, function: F | None = None) -> F:
         """Decorator: ``function`` runs on global rank 0 only (elsewhere a call returns
-        ``None``); in a single process it always runs."""
-        return _process.run_if(function, lambda: self.is_main_process)
+        ``None``); in a single process it always runs.
 
-    def on_local_main_process(self, function: F) -> F:
-        """Decorator: ``function`` runs on local rank 0 of each node only."""
-        return _process.run_if(function, lambda: self.is_local_main_process)
+        Raises:
+            ValueError: no ``function`` (as Accelerate's, outside its own class).
+        """
+        return _process.run_if(
+            _decorated(function, "on_main_process"), lambda: self.is_main_process
+        )
+
+    def on_local_main_process(self, function: F | None = None) -> F:
+        """Decorator: ``function`` runs on local rank 0 of each node only.
+
+        Raises:
+            ValueError: no ``function``.
+        """
+        return _process.run_if(
+            _decorated(function, "on_local_main_process"), lambda: self.is_local_main_process
+        )
 
     def on_last_process(self, function: F) -> F:
         """Decorator: ``function`` runs on the last global rank only."""
@@ -274,3 +286,12 @@ class _DataAndProcessAPI(_process.Ranks):
     def clear(self, *objects: Any) -> list[None]:
         """Alias of :meth:`free_memory`."""
         return self.free_memory(*objects)
+
+
+def _decorated(function: F | None, name: str) -> F:
+    if function is None:
+        raise ValueError(
+            f"the `{name}` decorator must be applied to a function, on an Accelerator instance "
+            f"(`@accelerator.{name}`)"
+        )
+    return function

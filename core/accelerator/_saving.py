@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -20,8 +21,8 @@ from typing import Any, cast
 import torch
 
 from kwplug._plugins import KwplugPluginManager
-from kwplug.accelerator._prepare import unwrap_model as unwrap_torch_wrappers
 from kwplug.checkpoint._sharded import full_model_state, is_sharded
+from kwplug.errors import KwplugWarning
 
 logger = logging.getLogger(__name__)
 
@@ -32,19 +33,43 @@ _SHARD = re.compile(r"(.*?)-\d{5}-of-\d{5}")
 _UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 
 
-def unwrap(model: torch.nn.Module, plugins: KwplugPluginManager) -> torch.nn.Module:
+def unwrap(
+    model: torch.nn.Module, plugins: KwplugPluginManager, keep_torch_compile: bool = False
+) -> torch.nn.Module:
     """Peel every wrapper off ``model``: torch's own (DDP, DataParallel, ``torch.compile``)
-    here, any other through the plugins' ``unwrap_model`` hook, until nothing unwraps."""
+    here, any other through the plugins' ``unwrap_model`` hook, until nothing unwraps.
+
+    With ``keep_torch_compile``, a ``torch.compile`` wrapper directly around the innermost
+    module is returned instead of that module (Accelerate's default). Accelerate rewires a
+    compiled wrapper around DDP to point at the bare module (the prepared model then trains
+    without DDP); kwplug leaves it alone and returns the bare module, with a warning."""
+    compiled: torch.nn.Module | None = None
     while True:
-        model = unwrap_torch_wrappers(model)
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+            continue
+        original = getattr(model, "_orig_mod", None)
+        if isinstance(original, torch.nn.Module):  # torch._dynamo.OptimizedModule
+            compiled, model = model, original
+            continue
         inner = next(
             (a for _, a in plugins.call_each("unwrap_model", model=model) if a is not None), None
         )
         if inner is None or inner is model:
-            return model
+            break
         if not isinstance(inner, torch.nn.Module):
             raise TypeError(f"hook unwrap_model returned {type(inner).__name__}, not a Module")
         model = inner
+    if keep_torch_compile and compiled is not None:
+        if getattr(compiled, "_orig_mod", None) is model:
+            return compiled
+        warnings.warn(
+            "unwrap_model(keep_torch_compile=True): the torch.compile wrapper is around another "
+            "wrapper (e.g. DDP), not around the module; the module is returned without it",
+            KwplugWarning,
+            stacklevel=3,
+        )
+    return model
 
 
 def get_state_dict(

@@ -19,7 +19,7 @@ from kwplug.checkpoint import _plan as plan
 from kwplug.checkpoint import _prehooks as prehooks
 from kwplug.checkpoint import _resize as resize
 from kwplug.checkpoint._stateful import ShardedModelState, ShardedOptimizerState
-from kwplug.errors import CheckpointError
+from kwplug.errors import CheckpointError, NotCheckpointableError
 
 if TYPE_CHECKING:
     from kwplug.accelerator import Accelerator
@@ -27,16 +27,24 @@ if TYPE_CHECKING:
 
 def register_for_checkpointing(accelerator: Accelerator, *objects: Any) -> None:
     """See ``Accelerator.register_for_checkpointing``."""
-    for obj in objects:
+    invalid = [
+        i
+        for i, obj in enumerate(objects)
         if not (
             callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None))
-        ):
-            raise TypeError(
-                f"{type(obj).__qualname__} cannot be checkpointed: it needs state_dict() "
-                "and load_state_dict()"
-            )
-        accelerator._custom_objects.append(obj)
+        )
+    ]
+    if invalid:
+        listed = "".join(
+            f"\n\t- Item at index {i}, `{type(objects[i]).__qualname__}`" for i in invalid
+        )
+        raise NotCheckpointableError(
+            "All `objects` must include a `state_dict` and `load_state_dict` function to be "
+            f"stored. The following inputs are invalid:{listed}",
+            indices=tuple(invalid),
+        )
+    accelerator._custom_objects.extend(objects)
 
 
 def _share(accelerator: Accelerator, value: Any) -> list[Any]:

@@ -13,18 +13,19 @@ _TRUE = frozenset({"y", "yes", "t", "true", "on", "1"})
 _FALSE = frozenset({"n", "no", "f", "false", "off", "0"})
 
 
-def str_to_bool(value: str) -> int:
+def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
     """``1`` for a true string (``y``, ``yes``, ``t``, ``true``, ``on``, ``1``), ``0`` for a
-    false one (``n``, ``no``, ``f``, ``false``, ``off``, ``0``); case-insensitive.
+    false one (``n``, ``no``, ``f``, ``false``, ``off``, ``0``); case-insensitive. With
+    ``to_bool=True`` (default ``False``), ``True``/``False`` instead, as Accelerate's.
 
     Raises:
         ValueError: any other string.
     """
     lowered = value.lower()
     if lowered in _TRUE:
-        return 1
+        return True if to_bool else 1
     if lowered in _FALSE:
-        return 0
+        return False if to_bool else 0
     raise ValueError(f"invalid truth value {value!r}")
 
 

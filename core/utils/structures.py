@@ -28,9 +28,9 @@ __all__ = [
 ]
 
 
-def is_torch_tensor(obj: Any) -> bool:
-    """``isinstance(obj, torch.Tensor)``."""
-    return isinstance(obj, torch.Tensor)
+def is_torch_tensor(tensor: Any) -> bool:
+    """``isinstance(tensor, torch.Tensor)``."""
+    return isinstance(tensor, torch.Tensor)
 
 
 def is_namedtuple(data: Any) -> bool:
@@ -202,8 +202,15 @@ def listify(data: Any) -> Any:
     return recursively_apply(to_list, data)
 
 
-def slice_tensors(data: Any, tensor_slice: slice | int | tuple[Any, ...]) -> Any:
-    """``data`` with each tensor replaced by ``tensor[tensor_slice]``."""
+def slice_tensors(
+    data: Any,
+    tensor_slice: slice | int | tuple[Any, ...],
+    process_index: int | None = None,
+    num_processes: int | None = None,
+) -> Any:
+    """``data`` with each tensor replaced by ``tensor[tensor_slice]``. ``process_index`` and
+    ``num_processes`` are accepted and unused, as in Accelerate (whose XLA path once read
+    them)."""
     return recursively_apply(lambda t: t[tensor_slice], data)
 
 
