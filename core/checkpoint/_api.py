@@ -153,7 +153,7 @@ def _read(acc: Accelerator, directory: Path, entries: list[plan.Entry]) -> dict[
     states: dict[str, Any] = {}
     for name, data in manifest.verified(directory, records, names).items():
         states[name] = codec.decode(data, directory / name)
-    modules = [acc.unwrap_model(m) for m in acc._models]
+    modules = [acc.unwrap_model(m, keep_torch_compile=False) for m in acc._models]
     for entry in entries:
         if entry.file in states:
             state, meta = states[entry.file]

@@ -48,7 +48,7 @@ def entries(accelerator: Accelerator) -> list[Entry]:
             parameters outside that model.
     """
     acc = accelerator
-    modules = [acc.unwrap_model(m) for m in acc._models]
+    modules = [acc.unwrap_model(m, keep_torch_compile=False) for m in acc._models]
     owners = sharded.optimizer_owners(modules, acc._optimizers)
     plan: list[Entry] = []
     for i, module in enumerate(modules):

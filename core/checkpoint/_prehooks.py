@@ -78,10 +78,10 @@ def _refuse_sharded(acc: Accelerator, what: str) -> None:
     # A sharded model's state dict is gathered collectively: a hook that drops it on some
     # ranks (diffusers' pop on the main process only) would leave the others waiting.
     for model in acc._models:
-        if sharded.is_sharded(acc.unwrap_model(model)):
+        if sharded.is_sharded(acc.unwrap_model(model, keep_torch_compile=False)):
             raise NotImplementedError(
                 f"register_{what}_state_pre_hook with a sharded model "
-                f"({type(acc.unwrap_model(model)).__qualname__}, DTensor parameters) is not "
+                f"({type(acc.unwrap_model(model, keep_torch_compile=False)).__qualname__}, DTensor parameters) is not "
                 "supported: remove the hook's handle, or save that model with save_model"
             )
 
@@ -99,7 +99,7 @@ def saving(acc: Accelerator, entries: list[Entry], staging: Path) -> tuple[list[
     from kwplug.checkpoint._plan import Entry
 
     _refuse_sharded(acc, "save")
-    modules = [acc.unwrap_model(m) for m in acc._models]
+    modules = [acc.unwrap_model(m, keep_torch_compile=False) for m in acc._models]
     weights: list[dict[str, Any]] = [m.state_dict() for m in modules]
     kinds = {id(w): qualified_name(m) for w, m in zip(weights, modules, strict=True)}
     for hook in list(hooks.values()):
@@ -177,7 +177,7 @@ def loading(acc: Accelerator, entries: list[Entry], directory: Path) -> list[Ent
         hook(models, str(directory))
     kept = []
     for j, model in enumerate(models):
-        module = acc.unwrap_model(model)
+        module = acc.unwrap_model(model, keep_torch_compile=False)
         kept.append(Entry(layout.model_file(j), module, "main", qualified_name(module)))
     return kept + [e for e in entries if not _is_model_entry(e, count)]
 
