@@ -78,10 +78,11 @@ def _refuse_sharded(acc: Accelerator, what: str) -> None:
     # A sharded model's state dict is gathered collectively: a hook that drops it on some
     # ranks (diffusers' pop on the main process only) would leave the others waiting.
     for model in acc._models:
-        if sharded.is_sharded(acc.unwrap_model(model, keep_torch_compile=False)):
+        module = acc.unwrap_model(model, keep_torch_compile=False)
+        if sharded.is_sharded(module):
             raise NotImplementedError(
                 f"register_{what}_state_pre_hook with a sharded model "
-                f"({type(acc.unwrap_model(model, keep_torch_compile=False)).__qualname__}, DTensor parameters) is not "
+                f"({type(module).__qualname__}, DTensor parameters) is not "
                 "supported: remove the hook's handle, or save that model with save_model"
             )
 
