@@ -75,9 +75,10 @@ class Accelerator(
     Gradient accumulation (``accumulate``, ``no_sync``, ``backward``, clipping), trackers and
     saving (``init_trackers``, ``log``, ``save_model``), data-loader, metrics and
     process-control methods (``gather_for_metrics``, ``main_process_first``,
-    ``on_main_process``, ``state``...) come from the base classes ``_GradientAccumulation``,
-    ``_TrackersAndSaving``, ``_Checkpoints`` (``save_state``, ``load_state``) and
-    ``_DataAndProcessAPI``.
+    ``on_main_process``, ``state``...) come from the base classes ``_PrepareAPI``
+    (``prepare``, ``prepare_model``, ``prepare_optimizer``, ``prepare_data_loader``),
+    ``_GradientAccumulation``, ``_TrackersAndSaving``, ``_Checkpoints`` (``save_state``,
+    ``load_state``) and ``_DataAndProcessAPI``.
 
     Attributes:
         device: the ``torch.device`` this process trains on (``device_type``: its type).

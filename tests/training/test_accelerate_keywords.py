@@ -80,7 +80,7 @@ def test_save_state_default_keywords_do_not_warn(tmp_path: Path) -> None:
 
 def test_save_state_rejects_non_bool_safe_serialization(tmp_path: Path) -> None:
     accelerator, _, _, _ = _trained(kwplug)
-    with pytest.raises(TypeError, match="safe_serialization"):
+    with pytest.raises(TypeError, match="safe_serialization.*must be a bool"):
         accelerator.save_state(tmp_path / "ckpt", safe_serialization="yes")  # type: ignore[arg-type]
     assert not (tmp_path / "ckpt").exists()
 
@@ -139,7 +139,7 @@ def test_unwrap_model_keep_torch_compile_as_accelerate(keep: bool, reset_acceler
 
 def test_unwrap_model_rejects_non_bool_flags() -> None:
     accelerator = kwplug.Accelerator(cpu=True)
-    with pytest.raises(TypeError, match="keep_torch_compile"):
+    with pytest.raises(TypeError, match="keep_torch_compile must be a bool"):
         accelerator.unwrap_model(torch.nn.Linear(1, 1), keep_torch_compile=1)  # type: ignore[arg-type]
 
 
