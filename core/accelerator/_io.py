@@ -60,11 +60,32 @@ class _TrackersAndSaving:
         return self._trackers.get(name, unwrap)
 
     def unwrap_model(
-        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True
+        self,
+        model: torch.nn.Module,
+        keep_fp32_wrapper: bool = True,
+        keep_torch_compile: bool = True,
     ) -> torch.nn.Module:
-        """The user's module inside torch's wrappers and plugins' (``unwrap_model`` hook);
-        ``keep_fp32_wrapper`` is Accelerate's (kwplug never patches ``forward``)."""
-        return _saving.unwrap(model, self.plugin_manager)
+        """The user's module inside torch's wrappers (DDP, DataParallel) and plugins' (the
+        ``unwrap_model`` hook), as Accelerate's ``unwrap_model``.
+
+        Args:
+            model: a prepared model.
+            keep_fp32_wrapper: ``bool``, default ``True``: keep the mixed-precision forward
+                that ``prepare`` installed (autocast, float32 outputs); ``False`` restores the
+                model's own ``forward``.
+            keep_torch_compile: ``bool``, default ``True``: keep ``torch.compile``'s
+                ``OptimizedModule`` around the unwrapped module; ``False`` removes it too.
+
+        Raises:
+            TypeError: a plugin's ``unwrap_model`` hook returned something that is not a
+                ``torch.nn.Module``.
+        """
+        return _saving.unwrap(
+            model,
+            self.plugin_manager,
+            keep_fp32_wrapper=keep_fp32_wrapper,
+            keep_torch_compile=keep_torch_compile,
+        )
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """The full state dict (a sharded model's gathered to rank 0, on the CPU)."""

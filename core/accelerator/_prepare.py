@@ -13,6 +13,7 @@ from kwplug._plugins import Answer
 from kwplug.accelerator._accumulation import GradientState
 from kwplug.accelerator._options import _Options
 from kwplug.accelerator._params import ParameterRemap
+from kwplug.accelerator._precision import apply_mixed_precision
 from kwplug.accelerator._setup import _Setup
 from kwplug.data import ActiveLoaders, PreparedDataLoader, prepare_dataloader
 from kwplug.errors import PluginHookError
@@ -127,8 +128,10 @@ class _Prepared:
         return obj
 
     def model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move ``model`` to the device, wrap it through ``wrap_model``, follow replaced
-        parameters in every prepared optimizer.
+        """Move ``model`` to the device; with mixed precision, run its ``forward`` under the
+        autocast context with float32 outputs (``kwplug.accelerator._precision``, as
+        Accelerate's ``prepare``); wrap it through ``wrap_model``; follow replaced parameters
+        in every prepared optimizer.
 
         Raises:
             TypeError: the answering plugin returned something that is not a module.
@@ -138,6 +141,9 @@ class _Prepared:
         setup = self.setup
         before = dict(model.named_parameters())
         model = model.to(setup.device)
+        if setup.mixed_precision != "no":
+            # Patched before wrapping, as Accelerate: a DDP wrapper calls the patched forward.
+            apply_mixed_precision(model, setup.autocast_factory)
         wrapped = setup.plugins.call_first(
             "wrap_model",
             model=model,

@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 
 from kwplug._plugins import KwplugPluginManager
-from kwplug.accelerator._prepare import unwrap_model as unwrap_torch_wrappers
+from kwplug.accelerator._precision import remove_mixed_precision
 from kwplug.checkpoint._sharded import full_model_state, is_sharded
 
 logger = logging.getLogger(__name__)
@@ -32,19 +32,62 @@ _SHARD = re.compile(r"(.*?)-\d{5}-of-\d{5}")
 _UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 
 
-def unwrap(model: torch.nn.Module, plugins: KwplugPluginManager) -> torch.nn.Module:
-    """Peel every wrapper off ``model``: torch's own (DDP, DataParallel, ``torch.compile``)
-    here, any other through the plugins' ``unwrap_model`` hook, until nothing unwraps."""
-    while True:
-        model = unwrap_torch_wrappers(model)
-        inner = next(
-            (a for _, a in plugins.call_each("unwrap_model", model=model) if a is not None), None
-        )
-        if inner is None or inner is model:
-            return model
-        if not isinstance(inner, torch.nn.Module):
-            raise TypeError(f"hook unwrap_model returned {type(inner).__name__}, not a Module")
+def _is_compiled(model: torch.nn.Module) -> bool:
+    # torch.compile's OptimizedModule (duck-typed as _prepare.unwrap_model does).
+    return isinstance(getattr(model, "_orig_mod", None), torch.nn.Module)
+
+
+def _peel(model: torch.nn.Module, plugins: KwplugPluginManager) -> torch.nn.Module:
+    """One wrapper less: torch's own (DDP, DataParallel, ``torch.compile``) here, any other
+    through the plugins' ``unwrap_model`` hook; ``model`` itself when nothing unwraps it."""
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        return model.module
+    if _is_compiled(model):
+        return cast(torch.nn.Module, model._orig_mod)
+    answer = next(
+        (a for _, a in plugins.call_each("unwrap_model", model=model) if a is not None), None
+    )
+    if answer is None:
+        return model
+    if not isinstance(answer, torch.nn.Module):
+        raise TypeError(f"hook unwrap_model returned {type(answer).__name__}, not a Module")
+    return answer
+
+
+def unwrap(
+    model: torch.nn.Module,
+    plugins: KwplugPluginManager,
+    keep_fp32_wrapper: bool = True,
+    keep_torch_compile: bool = False,
+) -> torch.nn.Module:
+    """Peel every wrapper off ``model`` until nothing unwraps (see :func:`_peel`).
+
+    ``keep_fp32_wrapper=False`` removes the mixed-precision forward ``prepare`` installed.
+    ``keep_torch_compile=True`` (``Accelerator.unwrap_model``'s default, as Accelerate's)
+    keeps ``torch.compile``'s wrapper: a compiled module inside other wrappers is returned as
+    it is; an outermost one comes back around the unwrapped module -- itself when it already
+    wraps that module, else a new ``OptimizedModule`` with the same dynamo context (Accelerate
+    reassigns the prepared one's ``_orig_mod`` instead, which takes DDP out of the model
+    still being trained).
+    """
+    outer = model if keep_torch_compile and _is_compiled(model) else None
+    if outer is not None:
+        model = outer._orig_mod
+    while not (keep_torch_compile and _is_compiled(model)):
+        inner = _peel(model, plugins)
+        if inner is model:
+            break
         model = inner
+    if not keep_fp32_wrapper:
+        remove_mixed_precision(model)
+        if _is_compiled(model):
+            remove_mixed_precision(model._orig_mod)
+    if outer is None:
+        return model
+    if outer._orig_mod is model:
+        return outer
+    rewrapped: torch.nn.Module = type(outer)(model, outer.dynamo_ctx)
+    return rewrapped
 
 
 def get_state_dict(

@@ -126,9 +126,12 @@ def test_save_writes_on_the_main_process_only(tmp_path: Path) -> None:
 def test_unwrap_and_state_dict_of_torch_wrappers() -> None:
     accelerator = kwplug.Accelerator(cpu=True)
     net = model()
-    wrapped = torch.nn.DataParallel(torch.compile(net))
-    assert accelerator.unwrap_model(wrapped) is net
-    assert accelerator.unwrap_model(wrapped, keep_fp32_wrapper=False) is net
+    compiled = torch.compile(net)
+    wrapped = torch.nn.DataParallel(compiled)
+    # keep_torch_compile=True (the default, as Accelerate's): the compiled module stays.
+    assert accelerator.unwrap_model(wrapped) is compiled
+    assert accelerator.unwrap_model(wrapped, keep_fp32_wrapper=False) is compiled
+    assert accelerator.unwrap_model(wrapped, keep_torch_compile=False) is net
     state = accelerator.get_state_dict(wrapped)
     assert list(state) == list(net.state_dict())
     assert next(iter(accelerator.get_state_dict(wrapped, unwrap=False))).startswith("module.")
@@ -160,7 +163,9 @@ def test_hook_unwrap_model(tmp_path: Path) -> None:
     net = model()
     prepared = accelerator.prepare(net)
     assert isinstance(prepared, Wrapper)
-    assert accelerator.unwrap_model(prepared) is net  # plugin layer, then torch.compile's
+    # The plugin layer, then torch.compile's (kept by default, as Accelerate keeps it).
+    assert accelerator.unwrap_model(prepared, keep_torch_compile=False) is net
+    assert accelerator.unwrap_model(prepared)._orig_mod is net
     assert accelerator.unwrap_model(Wrapper(Wrapper(net))) is net
     accelerator.save_model(prepared, tmp_path)
     assert set(load_file(tmp_path / "model.safetensors")) == set(net.state_dict()) - {"head.weight"}
