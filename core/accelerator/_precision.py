@@ -73,7 +73,7 @@ def apply_mixed_precision(model: torch.nn.Module, autocast: AutocastFactory) -> 
     if isinstance(forward, AutocastForward):
         return
     setattr(model, ORIGINAL_FORWARD, forward)
-    model.forward = AutocastForward(forward, autocast)  # type: ignore[method-assign]
+    model.forward = AutocastForward(forward, autocast)
 
 
 def remove_mixed_precision(model: torch.nn.Module) -> None:
@@ -88,4 +88,4 @@ def remove_mixed_precision(model: torch.nn.Module) -> None:
     if getattr(original, "__self__", None) is model and getattr(original, "__func__", None) is own:
         del model.__dict__["forward"]
     else:
-        model.forward = original  # type: ignore[method-assign]
+        model.forward = original

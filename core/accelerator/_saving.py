@@ -32,18 +32,21 @@ _SHARD = re.compile(r"(.*?)-\d{5}-of-\d{5}")
 _UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 
 
-def _is_compiled(model: torch.nn.Module) -> bool:
-    # torch.compile's OptimizedModule (duck-typed as _prepare.unwrap_model does).
-    return isinstance(getattr(model, "_orig_mod", None), torch.nn.Module)
+def _compiled_inner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module inside torch.compile's ``OptimizedModule`` (duck-typed as
+    ``_prepare.unwrap_model`` does); ``None`` for any other module."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
 
 
 def _peel(model: torch.nn.Module, plugins: KwplugPluginManager) -> torch.nn.Module:
     """One wrapper less: torch's own (DDP, DataParallel, ``torch.compile``) here, any other
     through the plugins' ``unwrap_model`` hook; ``model`` itself when nothing unwraps it."""
     if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        return model.module
-    if _is_compiled(model):
-        return cast(torch.nn.Module, model._orig_mod)
+        return cast(torch.nn.Module, model.module)
+    compiled = _compiled_inner(model)
+    if compiled is not None:
+        return compiled
     answer = next(
         (a for _, a in plugins.call_each("unwrap_model", model=model) if a is not None), None
     )
@@ -70,21 +73,23 @@ def unwrap(
     reassigns the prepared one's ``_orig_mod`` instead, which takes DDP out of the model
     still being trained).
     """
-    outer = model if keep_torch_compile and _is_compiled(model) else None
-    if outer is not None:
-        model = outer._orig_mod
-    while not (keep_torch_compile and _is_compiled(model)):
+    outer = model if keep_torch_compile else None
+    first = _compiled_inner(model) if keep_torch_compile else None
+    if first is not None:
+        model = first
+    while not (keep_torch_compile and _compiled_inner(model) is not None):
         inner = _peel(model, plugins)
         if inner is model:
             break
         model = inner
     if not keep_fp32_wrapper:
         remove_mixed_precision(model)
-        if _is_compiled(model):
-            remove_mixed_precision(model._orig_mod)
-    if outer is None:
+        compiled = _compiled_inner(model)
+        if compiled is not None:  # a compiled module kept: the patch may be on either
+            remove_mixed_precision(compiled)
+    if outer is None or first is None:
         return model
-    if outer._orig_mod is model:
+    if first is model:
         return outer
     rewrapped: torch.nn.Module = type(outer)(model, outer.dynamo_ctx)
     return rewrapped

@@ -78,7 +78,7 @@ def test_bf16_forward_outside_autocast_matches_accelerate(fresh_accelerate: None
     assert fp32["dtypes"] == [torch.float32, torch.float32]
     for a, b in zip(ours["weights"], theirs["weights"], strict=True):
         assert torch.equal(a, b)
-    assert any(not torch.equal(a, b) for a, b in zip(ours["weights"], fp32["weights"]))
+    assert any(not torch.equal(a, b) for a, b in zip(ours["weights"], fp32["weights"], strict=True))
 
 
 def test_fp16_on_cpu_forward_runs_in_float16() -> None:
@@ -87,7 +87,7 @@ def test_fp16_on_cpu_forward_runs_in_float16() -> None:
     ours = _train(kwplug.Accelerator(cpu=True, mixed_precision="fp16"))
     fp32 = _train(kwplug.Accelerator(cpu=True))
     assert ours["dtypes"] == [torch.float16, torch.float32]
-    assert any(not torch.equal(a, b) for a, b in zip(ours["weights"], fp32["weights"]))
+    assert any(not torch.equal(a, b) for a, b in zip(ours["weights"], fp32["weights"], strict=True))
 
 
 def test_no_mixed_precision_leaves_forward_alone() -> None:
@@ -117,6 +117,7 @@ class Nested(torch.nn.Module):
             "list": [y, (y * 2, "text")],
             "output": Output(loss=y.sum(), hidden=y),
             "none": None,
+            "computed_in": str(y.dtype),
         }
 
 
@@ -137,6 +138,7 @@ def test_nested_outputs_are_converted_as_accelerate(fresh_accelerate: None) -> N
     assert _structure(ours) == _structure(theirs)
     assert _structure(ours)[1]["pair"] == ("Pair", [torch.float32, torch.int64])
     assert type(ours["output"]) is Output and ours["list"][1][1] == "text"
+    assert ours["computed_in"] == "torch.bfloat16"
 
 
 def _unwrap_story(accelerator: Any) -> dict[str, Any]:
@@ -294,3 +296,23 @@ def test_ddp_calls_the_patched_forward_of_the_module() -> None:
         assert rank["bare"] == [torch.float32, torch.float32]
     for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
         assert torch.equal(a, b)
+
+
+def test_unwrap_model_keeps_torch_compile_as_accelerate(fresh_accelerate: None) -> None:
+    theirs = accelerate.Accelerator(cpu=True)
+    ours = kwplug.Accelerator(cpu=True)
+    net = _net()
+    compiled = torch.compile(net)
+    for accelerator in (theirs, ours):  # an outermost compiled module around the model
+        assert accelerator.unwrap_model(compiled) is compiled
+        assert accelerator.unwrap_model(compiled, keep_torch_compile=False) is net
+        inside = torch.nn.DataParallel(compiled)  # a compiled module inside a wrapper
+        assert accelerator.unwrap_model(inside) is compiled
+    # Around a wrapper: a compiled module around the user's module, the prepared one intact
+    # (Accelerate reassigns its `_orig_mod`, taking the wrapper out of the trained model).
+    parallel = torch.nn.DataParallel(net)
+    outer = torch.compile(parallel)
+    unwrapped = ours.unwrap_model(outer)
+    assert type(unwrapped) is type(outer) and unwrapped._orig_mod is net
+    assert outer._orig_mod is parallel
+    assert ours.unwrap_model(outer, keep_torch_compile=False) is net
