@@ -298,18 +298,23 @@ class PreparedDataLoader(DataLoader[Any]):
         self.end_of_dataloader = False
         self.batches_yielded = skip
         iterator = self._start_iterator()
-        for _ in range(dropped):
-            next(iterator, None)
         if self.tracker is not None:
             self.tracker.begin(self)
         try:
-            yield from self._look_ahead(iterator)
+            yield from self._rank_batches(iterator, dropped)
         finally:
             if self.tracker is not None:
                 self.tracker.end(self)
         self.set_epoch(self.epoch + 1)
         for callback in self.on_end:
             callback(self)
+
+    def _rank_batches(self, iterator: Iterator[Any], skip: int) -> Iterator[Any]:
+        """This process's batches from the underlying ``DataLoader`` iterator, after dropping
+        ``skip`` of them (read, not yielded: an iterable data set cannot skip unread)."""
+        for _ in range(skip):
+            next(iterator, None)
+        return self._look_ahead(iterator)
 
     def _look_ahead(self, iterator: Iterator[Any]) -> Iterator[Any]:
         current = next(iterator, _END)
