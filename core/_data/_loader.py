@@ -224,11 +224,13 @@ class PreparedDataLoader(DataLoader[Any]):
         }
 
     def _set_epoch_everywhere(self, epoch: int) -> None:
-        # As Accelerate: samplers (DistributedSampler, SeedableRandomSampler) and the data set.
-        holders: list[Any] = [self.batch_sampler, getattr(self.batch_sampler, "batches", None)]
-        samplers = [getattr(h, "sampler", None) for h in holders if h is not None]
-        targets: list[Any] = [*holders, *samplers, self.dataset]
-        for target in targets:
+        # As Accelerate: the user's batch sampler, its sampler (DistributedSampler,
+        # SeedableRandomSampler) and the data set, under kwplug's own wrappers.
+        batches = _user_batches(self.batch_sampler)
+        targets: list[Any] = [batches, getattr(batches, "sampler", None), self.dataset]
+        for index, target in enumerate(targets):
+            if any(target is earlier for earlier in targets[:index]):
+                continue
             if target is not None and callable(getattr(target, "set_epoch", None)):
                 target.set_epoch(epoch)
 
@@ -330,6 +332,16 @@ class PreparedDataLoader(DataLoader[Any]):
 
 _END: Any = object()
 _KEEP: Any = object()
+
+
+def _user_batches(batch_sampler: Any) -> Any:
+    """The user's batch sampler under kwplug's wrappers (``SkippableBatches``, shards)."""
+    while isinstance(batch_sampler, (SkippableBatches, BatchSamplerShard)):
+        if isinstance(batch_sampler, SkippableBatches):
+            batch_sampler = batch_sampler.batches
+        else:
+            batch_sampler = batch_sampler.batch_sampler
+    return batch_sampler
 
 
 def _index_sampler(batch_sampler: Any) -> Any:

@@ -75,12 +75,17 @@ def prepare_dataloader(
       gets one (seeded from torch's global generator, or ``seed``) whose state is broadcast
       from rank 0 at every epoch start, so every rank draws the same order. A user's
       ``DistributedSampler`` already shards: it is kept and not sharded again.
-    - Iterable data set, several processes: wrapped in a
+    - ``dispatch_batches`` (``None``, the default: an iterable data set): a
+      :class:`~kwplug.data.DispatchedDataLoader`; process 0 reads the user's loader (its
+      whole batch sampler, or the stream) and every process receives its slice of each
+      global batch, as Accelerate's ``DataLoaderDispatcher``.
+    - Iterable data set with ``dispatch_batches=False``, several processes: wrapped in a
       :class:`~kwplug.data.IterableDatasetShard`.
     - One process: the batches are the user loader's own.
     - ``use_seedable_sampler``: a ``RandomSampler`` becomes a
       :class:`~kwplug.data.SeedableRandomSampler` (seed ``data_seed``, else
-      ``torch.initial_seed()``; the order depends on the seed and epoch only).
+      ``torch.initial_seed()`` of process 0, broadcast to the others; the order depends on
+      the seed and epoch only, so the shards partition the data).
 
     Args:
         loader: the user's data loader (a :class:`PreparedDataLoader` is returned as is).
@@ -97,8 +102,14 @@ def prepare_dataloader(
 
     Raises:
         ValueError: ``split_batches`` with a batch size that is unknown or not a multiple of
-            ``world_size``; a ``DistributedSampler`` built for another number of processes;
-            an iterable data set without a batch size in several processes.
+            ``world_size``; a ``DistributedSampler`` built for another number of processes,
+            or with ``dispatch_batches=True``; an iterable data set without a batch size in
+            several processes (unless dispatched).
+
+    Warns:
+        KwplugWarning: ``even_batches=False`` with a dispatched loader in several processes
+            (it has no effect, as in Accelerate); a seedable sampler whose seed on this
+            process differed from process 0's.
     """
     if isinstance(loader, PreparedDataLoader):
         return loader
