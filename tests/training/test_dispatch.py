@@ -192,6 +192,7 @@ def resume_mid_epoch() -> dict[str, Any]:
 def test_dispatched_loader_resumes_mid_epoch_in_two_processes() -> None:
     for result in run_distributed(resume_mid_epoch, nproc=2, timeout=120):
         assert result["state"]["batches_yielded"] == 3
+        assert [len(b) for b in result["whole"]] == [4, 4, 4, 3]
         assert result["head"] + [b for b, _, _ in result["tail"]] == result["whole"]
         assert [(end, rem) for _, end, rem in result["tail"]] == [(True, 5)]
 
@@ -276,3 +277,34 @@ def test_seedable_shards_partition_the_data_with_device_specific_seeds() -> None
         seedable_epochs, "accelerate", nproc=2, timeout=120, env=ACCELERATE_ENV
     )
     assert sorted(theirs[0]["first"][0] + theirs[1]["first"][0]) != list(range(24))
+
+
+class EpochBatches:
+    """A user's batch sampler with ``set_epoch``: batches of 2 in order, epochs recorded."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epochs = n, list[int]()
+        self.batch_size, self.drop_last = 2, False
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter([list(range(i, min(i + 2, self.n))) for i in range(0, self.n, 2)])
+
+    def __len__(self) -> int:
+        return (self.n + 1) // 2
+
+
+def test_set_epoch_reaches_a_custom_batch_sampler_under_the_shard() -> None:
+    from kwplug.data import prepare_dataloader
+
+    batches = EpochBatches(8)
+    loader = prepare_dataloader(
+        DataLoader(list(range(8)), batch_sampler=batches), torch.device("cpu"), 2, 0
+    )
+    for _ in range(2):
+        assert [b.tolist() for b in loader] == [[0, 1], [4, 5]]
+    loader.set_epoch(5)
+    list(loader)
+    assert batches.epochs == [0, 1, 5]
