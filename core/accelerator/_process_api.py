@@ -47,7 +47,7 @@ class _DataAndProcessAPI(_process.Ranks):
 
     @property
     def dispatch_batches(self) -> bool | None:
-        """``dataloader_config.dispatch_batches`` (``True`` is refused by kwplug)."""
+        """``dataloader_config.dispatch_batches`` (``None``: dispatch iterable data sets)."""
         return self.dataloader_config.dispatch_batches
 
     @property
