@@ -113,6 +113,36 @@ class CheckpointError(KwplugError, ValueError):
         self.file = None if file is None else os.fspath(file)
 
 
+class RankMismatchError(KwplugError, RuntimeError):
+    """The ranks of one job constructed ``Accelerator()`` with different settings (raised on
+    every rank, with the same message and attributes).
+
+    The message names each differing field and each rank's value; values are canonical JSON
+    text (``"'bf16'"`` is ``'"bf16"'``), ``"<absent>"`` for a field a rank does not have (a
+    handler or plugin it lacks).
+
+    Attributes:
+        field: the first differing field, e.g. ``"mixed_precision"``,
+            ``"DistributedDataParallelKwargs.bucket_cap_mb"``, ``"plugin 'compress'"``,
+            ``"torch version"``.
+        values: that field's value on each rank, in rank order.
+        mismatches: every differing field -> its values per rank, in rank order.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        values: tuple[str, ...] = (),
+        mismatches: Mapping[str, tuple[str, ...]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.field = field
+        self.values = tuple(values)
+        self.mismatches = dict(mismatches or {})
+
+
 class DistributedRunError(KwplugError, AssertionError):
     """A ``kwplug.testing`` distributed run failed: the message holds the failing rank's
     traceback and the tail of the job's output (an ``AssertionError``, so pytest reports it as
@@ -137,4 +167,5 @@ __all__ = [
     "PluginHookError",
     "PluginLoadError",
     "PluginLoadWarning",
+    "RankMismatchError",
 ]
