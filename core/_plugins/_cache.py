@@ -52,7 +52,6 @@ from typing import Any, Protocol
 import attrs
 
 from kwplug._plugins import _cache_trust as _trust
-from kwplug._plugins._records import GROUP
 from kwplug.errors import PluginCacheWarning
 
 CACHE_DIR_ENV = "KWPLUG_CACHE_DIR"
@@ -268,44 +267,7 @@ def _read_in(folder: int, path: str, key: dict[str, Any]) -> tuple[CachedEntryPo
     except Exception as exc:  # a corrupt or foreign file is a miss, never an error
         logger.debug("kwplug: ignoring the entry-point cache %s: %r", path, exc)
         return None
-    return None if found is None else _proven(found, key)
-
-
-def _proven(
-    entry_points: tuple[CachedEntryPoint, ...], key: dict[str, Any]
-) -> tuple[CachedEntryPoint, ...]:
-    # Every cached entry point again against the metadata folder it names: the names, values,
-    # distribution name and version must be what that folder declares, and the built-in
-    # verdict is derived from its files. Raises UntrustedCache on the first difference.
-    path_entries = [entry for entry, _ in key["path"]]
-    by_folder: dict[str | None, list[CachedEntryPoint]] = {}
-    for ep in entry_points:
-        by_folder.setdefault(ep.dist.path, []).append(ep)
-    for folder, eps in by_folder.items():
-        name, version, builtin, declared = _trust.distribution_at(folder, GROUP, path_entries)
-        claimed = frozenset((ep.name, ep.value) for ep in eps)
-        if claimed != declared:
-            extra = sorted(f"{n} = {v}" for n, v in claimed - declared)
-            missing = sorted(f"{n} = {v}" for n, v in declared - claimed)
-            raise _trust.UntrustedCache(
-                f"the cache lists entry points {extra} for {folder}, whose entry_points.txt "
-                f"declares {missing} instead"
-                if extra
-                else f"the cache misses entry points {missing} of {folder}"
-            )
-        for ep in eps:
-            if (ep.dist.name, ep.dist.version) != (name, version):
-                raise _trust.UntrustedCache(
-                    f"the cache names distribution {ep.dist.name} {ep.dist.version} for "
-                    f"{folder}, which holds {name} {version}"
-                )
-            if ep.dist.builtin != builtin:
-                raise _trust.UntrustedCache(
-                    f"the cache marks entry point {ep.name!r} of {folder} as "
-                    f"{'built-in' if ep.dist.builtin else 'third-party'}, but it is "
-                    f"{'kwplug' if builtin else 'not kwplug'}'s own distribution"
-                )
-    return entry_points
+    return None if found is None else _trust.prove(found, [entry for entry, _ in key["path"]])
 
 
 def _distrust(path: str, exc: _trust.UntrustedCache) -> None:

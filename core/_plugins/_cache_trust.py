@@ -23,13 +23,20 @@ A failed check raises :class:`UntrustedCache`; :mod:`kwplug._plugins._cache` the
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kwplug._plugins._own import is_own_distribution
+from kwplug._plugins._records import GROUP
+
+if TYPE_CHECKING:  # _cache imports this module
+    from kwplug._plugins._cache import CachedEntryPoint
+
+    _EPs = tuple[CachedEntryPoint, ...]
 
 #: A larger cache file is refused unread (the real one holds a few kilobytes per key).
 MAX_BYTES = 4 * 1024 * 1024
@@ -88,7 +95,9 @@ def open_folder(folder: str, *, create: bool) -> int | None:
     except FileNotFoundError:
         return None
     except NotADirectoryError:
-        raise UntrustedCache(f"the cache folder {folder} is not a directory", remove=False)
+        raise UntrustedCache(
+            f"the cache folder {folder} is not a directory", remove=False
+        ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISDIR(st.st_mode):
@@ -123,16 +132,16 @@ def read_file(folder_fd: int, name: str, path: str) -> str | None:
             raise UntrustedCache(f"the cache file {path} is not a regular file")
         _check_owner_and_mode("the cache file", path, st, remove=True)
         if st.st_size > MAX_BYTES:
-            raise UntrustedCache(f"the cache file {path} has {st.st_size} bytes (at most {MAX_BYTES})")
+            raise UntrustedCache(
+                f"the cache file {path} has {st.st_size} bytes (at most {MAX_BYTES})"
+            )
         return handle.read(MAX_BYTES + 1).decode("utf-8")
 
 
 def remove_file(folder_fd: int, name: str) -> None:
     """Delete ``name`` from the checked folder (best effort: a rebuild replaces it anyway)."""
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(name, dir_fd=folder_fd)
-    except OSError:
-        pass
 
 
 def _on_path(folder: str, path_entries: Iterable[str]) -> bool:
@@ -175,3 +184,41 @@ def distribution_at(
     if not isinstance(name, str) or not isinstance(version, str):
         raise UntrustedCache(f"the metadata in {folder} has no name or version")
     return name, version, builtin, declared
+
+
+def prove(entry_points: _EPs, path_entries: Sequence[str]) -> _EPs:
+    """``entry_points`` (cached), once each is proven against the metadata folder it names:
+    the names, values, distribution name and version are what that folder declares, and the
+    built-in verdict is what its files say (:func:`distribution_at`).
+
+    Raises:
+        UntrustedCache: on the first difference.
+    """
+    by_folder: dict[str | None, list[CachedEntryPoint]] = {}
+    for ep in entry_points:
+        by_folder.setdefault(ep.dist.path, []).append(ep)
+    for folder, eps in by_folder.items():
+        name, version, builtin, declared = distribution_at(folder, GROUP, path_entries)
+        claimed = frozenset((ep.name, ep.value) for ep in eps)
+        if claimed != declared:
+            extra = sorted(f"{n} = {v}" for n, v in claimed - declared)
+            missing = sorted(f"{n} = {v}" for n, v in declared - claimed)
+            raise UntrustedCache(
+                f"the cache lists entry points {extra} that the entry_points.txt of {folder} "
+                "does not declare"
+                if extra
+                else f"the cache misses entry points {missing} of {folder}"
+            )
+        for ep in eps:
+            if (ep.dist.name, ep.dist.version) != (name, version):
+                raise UntrustedCache(
+                    f"the cache names distribution {ep.dist.name} {ep.dist.version} for "
+                    f"{folder}, which holds {name} {version}"
+                )
+            if ep.dist.builtin != builtin:
+                raise UntrustedCache(
+                    f"the cache marks entry point {ep.name!r} of {folder} as "
+                    f"{'built-in' if ep.dist.builtin else 'third-party'}, but it is "
+                    f"{'kwplug' if builtin else 'not kwplug'}'s own distribution"
+                )
+    return entry_points

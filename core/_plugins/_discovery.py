@@ -17,6 +17,7 @@ never imported.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -25,12 +26,14 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 
 from kwplug._plugins import _cache
 from kwplug._plugins._cache import CachedDistribution, CachedEntryPoint, EntryPointLike
 from kwplug._plugins._controls import LoadControls
+from kwplug._plugins._guard import kwplug_kept
 from kwplug._plugins._manager import KwplugPluginManager
 from kwplug._plugins._own import CORE, is_own_distribution, normalise
 from kwplug._plugins._records import GROUP, PluginRecord, plugin_object
@@ -60,35 +63,50 @@ def _load(ep: EntryPointLike) -> PluginRecord:
     watchdog = threading.Timer(HUNG_IMPORT_SECONDS, _report_hung, args=(record,))
     watchdog.daemon = True
     watchdog.start()
+    # A third-party import cannot change kwplug: what it replaced is restored and reported
+    # (built-ins were imported before any third-party plugin, see _discover).
+    changes: list[str] = []
+    guard = contextlib.nullcontext(changes) if record.builtin else kwplug_kept()
     try:
-        obj = ep.load()
-        problem = entry_point_object_problem(obj, ep.value)
-        if problem is not None:
-            raise TypeError(problem)
-        # Validate hookimpls against the specs now, so a broken plugin is reported once here
-        # instead of failing every Accelerator later.
-        pm = _checker()
-        plugin = plugin_object(attrs.evolve(record, obj=obj))
-        with _checker_lock:
-            try:
-                validate_hookimpls(pm, plugin, ep.name)
-                problem = registered_plugin_problem(pm, plugin)
-                if problem is not None:
-                    raise TypeError(problem)
-                hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
-            finally:
-                if pm.is_registered(plugin):
-                    pm.unregister(plugin)
+        with guard as changes:
+            obj, hooks = _import_and_check(ep, record)
+        if changes:
+            raise ImportError("kwplug undid them")
     except KeyboardInterrupt:  # the user's Ctrl-C stops the program, as everywhere else
         raise
     except BaseException as exc:  # a plugin's SystemExit must not end the run
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, for tables
+        if changes:
+            reason = f"its import changed kwplug ({', '.join(changes)}; undone): {reason}"
         return attrs.evolve(
             record, error=reason, status="failed", load_seconds=time.perf_counter() - start
         )
     finally:
         watchdog.cancel()
     return attrs.evolve(record, obj=obj, hooks=hooks, load_seconds=time.perf_counter() - start)
+
+
+def _import_and_check(ep: EntryPointLike, record: PluginRecord) -> tuple[Any, tuple[str, ...]]:
+    # The loaded object and the hooks it implements; raises whatever import or validation does.
+    obj = ep.load()
+    problem = entry_point_object_problem(obj, ep.value)
+    if problem is not None:
+        raise TypeError(problem)
+    # Validate hookimpls against the specs now, so a broken plugin is reported once here
+    # instead of failing every Accelerator later.
+    pm = _checker()
+    plugin = plugin_object(attrs.evolve(record, obj=obj))
+    with _checker_lock:
+        try:
+            validate_hookimpls(pm, plugin, ep.name)
+            problem = registered_plugin_problem(pm, plugin)
+            if problem is not None:
+                raise TypeError(problem)
+            hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
+        finally:
+            if pm.is_registered(plugin):
+                pm.unregister(plugin)
+    return obj, hooks
 
 
 @functools.cache
@@ -296,7 +314,9 @@ def _discover(controls: LoadControls) -> tuple[PluginRecord, ...]:
     # Cached per set of controls: reading distribution metadata is the costly part, and the
     # environment variables may change between calls (tests, notebooks).
     records = []
-    for ep in _entry_points():
+    # Built-ins are imported before any third-party plugin, so that no third-party import
+    # (which may replace sys.modules["kwplug"], say) can stop them loading.
+    for ep in sorted(_entry_points(), key=lambda ep: not _builtin(ep)):
         if _visible is not None and not _visible(ep):
             continue
         distribution, version = _dist(ep)

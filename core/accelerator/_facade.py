@@ -97,6 +97,10 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving, _Checkpoints, _Data
         RuntimeError: ``WORLD_SIZE > 1`` but no plugin initialised the process group.
         kwplug.errors.PluginConflictError: two third-party plugins registered by default
             both claim a one-answer hook for this device (see :mod:`kwplug.hookspecs`).
+        kwplug.errors.MissingFeatureError: ``mixed_precision="fp16"``/``"bf16"`` or
+            ``WORLD_SIZE > 1`` asks for autocast, a gradient scaler or DDP wrapping and no
+            plugin provides it (blocked, disabled, failed to load); the message says why for
+            each possible provider.
     """
 
     def __init__(
