@@ -190,11 +190,21 @@ def environment_key() -> dict[str, Any]:
         "format": FORMAT,
         "python": sys.version,
         "executable": sys.executable,
-        "meta_path": [_qualname(f if isinstance(f, type) else type(f)) for f in sys.meta_path],
+        "meta_path": [
+            name
+            for name in (_qualname(f if isinstance(f, type) else type(f)) for f in sys.meta_path)
+            if name not in _SAME_AS_PATH_FINDER
+        ],
         "path": [[entry, _mtime(entry or os.curdir)] for entry in sys.path],
         # relative entries (``""`` is the working directory) resolve against it
         "cwd": os.getcwd() if any(not os.path.isabs(e) for e in sys.path) else None,
     }
+
+
+# importlib_metadata adds this finder to sys.meta_path when first imported (a cache read
+# imports it to prove the entries): it finds the distributions the stdlib's PathFinder finds, so
+# it must not make the process's next key differ.
+_SAME_AS_PATH_FINDER = frozenset({"importlib_metadata.MetadataPathFinder"})
 
 
 def _qualname(cls: type) -> str:

@@ -7,7 +7,8 @@ Discovery imports kwplug's built-ins first, then each third-party plugin inside
 - a ``sys.modules`` entry replaced or removed (``sys.modules["kwplug"] = fake``), or a new
   ``kwplug.*`` entry that is not a module from kwplug's own folders;
 - a binding of a kwplug module replaced or deleted (``kwplug.plugins.autocast.AutocastKwargs =
-  None``, ``kwplug.Accelerator = Fake``), as a monkeypatch at import does;
+  None``, ``kwplug.Accelerator = Fake``), or an attribute of a class kwplug defines replaced,
+  deleted or added (``AutocastKwargs.autocast = ...``), as a monkeypatch at import does;
 
 restores each, and reports them, so that discovery marks the plugin failed with what it changed.
 Python cannot stop code from doing anything; this stops an import from doing it silently, and
@@ -57,12 +58,35 @@ def kwplug_kept() -> Iterator[list[str]]:
     """
     modules = {n: m for n, m in list(sys.modules.items()) if _ours(n)}
     bindings = {n: dict(vars(m)) for n, m in modules.items() if isinstance(m, ModuleType)}
+    classes = {
+        f"{name}.{cls.__qualname__}": (cls, dict(vars(cls)))
+        for name, namespace in bindings.items()
+        for cls in namespace.values()
+        if isinstance(cls, type) and cls.__module__ == name
+    }
     folders = _folders(modules)
     changes: list[str] = []
     try:
         yield changes
     finally:
         changes.extend(_restore(modules, bindings, folders))
+        changes.extend(_restore_classes(classes))
+
+
+def _restore_classes(classes: dict[str, tuple[type, dict[str, Any]]]) -> list[str]:
+    # A method replaced, deleted or added on a kwplug class (a new hookimpl on a built-in
+    # handler would change every Accelerator); dunder names Python adds (__slotnames__) pass.
+    changes = []
+    for qualname, (cls, before) in classes.items():
+        for attr, value in before.items():
+            now = cls.__dict__.get(attr, _MISSING)
+            if now is not value and attr not in _VOLATILE:
+                changes.append(f"{'deleted' if now is _MISSING else 'replaced'} {qualname}.{attr}")
+                type.__setattr__(cls, attr, value)
+        for attr in [a for a in cls.__dict__ if a not in before and not a.startswith("__")]:
+            changes.append(f"added {qualname}.{attr}")
+            type.__delattr__(cls, attr)
+    return changes
 
 
 def _restore(

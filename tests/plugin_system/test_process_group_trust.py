@@ -61,7 +61,9 @@ def test_no_ddp_provider_with_several_processes_fails_at_construction() -> None:
     for message in messages:
         feature, hook, text = message.split("|", 2)
         assert (feature, hook) == ("DDP wrapping (WORLD_SIZE=2)", "wrap_model")
-        assert "built-in plugin 'ddp' (kwplug " in text and "blocked by KWPLUG_BLOCK_PLUGINS" in text
+        assert (
+            "built-in plugin 'ddp' (kwplug " in text and "blocked by KWPLUG_BLOCK_PLUGINS" in text
+        )
 
 
 def test_frozen_model_needs_no_wrapper() -> None:
