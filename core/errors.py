@@ -38,6 +38,46 @@ class PluginLoadWarning(KwplugWarning):
         self.distribution = distribution
 
 
+class PluginCacheWarning(KwplugWarning):
+    """The on-disk entry-point cache failed a check and was not used (discovery scanned the
+    installed distributions instead, and rebuilt the cache where its folder allows).
+
+    Attributes:
+        path: the cache file or folder concerned.
+        reason: what failed (owner, mode, a symbolic link, an entry its metadata does not
+            declare, ...).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+
+class MissingFeatureError(KwplugError, RuntimeError):
+    """A feature the ``Accelerator`` was asked for (mixed precision, its gradient scaler, DDP
+    wrapping) has no plugin to provide it: kwplug refuses to train without it.
+
+    Attributes:
+        feature: what was asked, e.g. ``"mixed_precision='bf16'"``.
+        hook: the hook no plugin answered, e.g. ``"autocast"``.
+        providers: ``(plugin, why it did not provide it)`` for each plugin that could have.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        feature: str | None = None,
+        hook: str | None = None,
+        providers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.feature = feature
+        self.hook = hook
+        self.providers = providers
+
+
 class PluginLoadError(KwplugError, RuntimeError):
     """A handler plugin failed to load while ``KWPLUG_STRICT_PLUGINS=1``.
 
@@ -163,6 +203,8 @@ __all__ = [
     "DistributedRunError",
     "KwplugError",
     "KwplugWarning",
+    "MissingFeatureError",
+    "PluginCacheWarning",
     "PluginConflictError",
     "PluginHookError",
     "PluginLoadError",

@@ -104,6 +104,10 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving, _Checkpoints, _Data
             built with different settings, versions or plugins; the message names each
             field and each rank's value (one ``all_gather_object`` of a digest, see
             :mod:`kwplug.accelerator._agreement`).
+        kwplug.errors.MissingFeatureError: ``mixed_precision="fp16"``/``"bf16"`` or
+            ``WORLD_SIZE > 1`` asks for autocast, a gradient scaler or DDP wrapping and no
+            plugin provides it (blocked, disabled, failed to load); the message says why for
+            each possible provider.
     """
 
     def __init__(
