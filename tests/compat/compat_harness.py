@@ -105,13 +105,14 @@ def installed_scripts() -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("test_*.py") if p.is_file())
 
 
-def rename_imports(source: str, library: Library) -> str:
+def rename_imports(source: str, library: Library, *, lenient: bool = False) -> str:
     """``source`` with its ``from accelerate... import`` statements renamed for ``library``.
 
     For kwplug, ``accelerate`` -> ``kwplug`` and ``accelerate.<sub>`` -> ``kwplug.<sub>`` (what
     the README promises a user has to change). For both libraries,
     ``accelerate.test_utils[.<sub>]`` -> :data:`FIXTURES`: the fixtures are the same test data
-    on both sides. Only import statements found by :mod:`ast` are touched.
+    on both sides. Only import statements found by :mod:`ast` are touched. ``lenient``
+    (a diagnostic, never the test) imports kwplug's names from ``compat_lenient`` instead.
 
     Raises:
         ValueError: an ``import accelerate...`` statement (the renamed name would differ in
@@ -131,7 +132,7 @@ def rename_imports(source: str, library: Library) -> str:
         if module == "accelerate.test_utils" or module.startswith("accelerate.test_utils."):
             new = FIXTURES
         elif library == "kwplug":
-            new = "kwplug" + module[len("accelerate") :]
+            new = "compat_lenient" if lenient else "kwplug" + module[len("accelerate") :]
         else:
             continue
         line = lines[node.lineno - 1]
@@ -212,12 +213,13 @@ def _merge(run: ScriptRun, records: dict[int, list[dict[str, object]]]) -> bool:
     return all(any(rec["check"] == "<end>" for rec in lines) for lines in records.values())
 
 
-def run_script(script: Script, library: Library, work: Path) -> ScriptRun:
+def run_script(script: Script, library: Library, work: Path, *, lenient: bool = False) -> ScriptRun:
     """Run ``script``'s checks against ``library`` in 2 processes, resuming after a hang."""
     folder = work / library / script.name.removesuffix(".py")
     folder.mkdir(parents=True, exist_ok=True)
     copy = folder / script.name
-    copy.write_text(rename_imports((scripts_dir() / script.path).read_text(), library))
+    source = (scripts_dir() / script.path).read_text()
+    copy.write_text(rename_imports(source, library, lenient=lenient))
     env = {"COMPAT_LIBRARY": library, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
     if library == "accelerate":
         env["ACCELERATE_USE_CPU"] = "1"  # Accelerate's switch for CPU processes
@@ -313,3 +315,29 @@ def format_comparison(comparison: Comparison) -> str:
     for check, ref_status, new_status, note in comparison.lines:
         out.append(f"  {check:<{width}}  {ref_status:<8} {new_status:<8} {note[:240]}")
     return "\n".join(out)
+
+
+def main() -> None:
+    """Print every script's comparison (``--lenient``: the diagnostic rename)."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--lenient", action="store_true")
+    parser.add_argument("scripts", nargs="*", help="file names (default: all of RUN)")
+    args = parser.parse_args()
+    allowed = allowed_differences()
+    with tempfile.TemporaryDirectory() as work:
+        for script in RUN:
+            if args.scripts and script.name not in args.scripts:
+                continue
+            reference = run_script(script, "accelerate", Path(work))
+            candidate = run_script(script, "kwplug", Path(work), lenient=args.lenient)
+            print(format_comparison(compare(reference, candidate, allowed)), flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()

@@ -130,3 +130,14 @@ def test_compare_flags_what_passes_only_on_accelerate() -> None:
     assert comparison.stale == []
     candidate.checks["d"] = Outcome("pass")
     assert harness.compare(reference, candidate, {"s.py::d": "x"}).stale == ["s.py::d"]
+
+
+def test_a_failing_statement_of_main_does_not_stop_the_checks_after_it() -> None:
+    import ast
+
+    source = "ran = []\ndef main():\n    ran.append(1)\n    1 / 0\n    ran.append(2)\n"
+    namespace: dict[str, object] = {"_compat_main_failed": (failures := []).append}
+    exec(compile(worker.guard_main(ast.parse(source)), "s.py", "exec"), namespace)
+    namespace["main"]()  # type: ignore[operator]
+    assert namespace["ran"] == [1, 2]
+    assert [type(f) for f in failures] == [ZeroDivisionError]

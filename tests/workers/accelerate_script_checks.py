@@ -8,8 +8,9 @@ appended to ``<out>/rank<r>.jsonl`` as soon as it is known (one JSON object a li
 
 ``{"check": id, "status": "pass" | "fail" | "error" | "timeout" | "aborted", "error": first
 line, "where": file:line, "seconds": s}``; then ``<import>`` (the script did not import),
-``<main>`` (what ``main`` raised outside a check, or ``pass``) and ``<end>`` (whether
-``accelerate`` was imported by this process).
+``<main>`` (the first error a statement of ``main`` raised outside a check, or ``pass``; each
+statement of ``main`` is guarded, so the checks after a failed one still run) and ``<end>``
+(whether ``accelerate`` was imported by this process).
 
 A check that runs longer than ``--check-timeout`` seconds is recorded as ``timeout`` and the
 process exits (torchrun then stops the other rank): a check that fails on one rank only leaves
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ast
 import enum
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -108,6 +110,23 @@ def called_checks(source: str) -> list[str]:
             if isinstance(func, ast.Name) and func.id in defined and func.id not in names:
                 names.append(func.id)
     return names
+
+
+def guard_main(tree: ast.Module) -> ast.Module:
+    """``tree`` with each top-level statement of ``main`` inside ``try``: a statement that
+    raises between checks (``accelerator.state.distributed_type = ...`` on a frozen state) is
+    reported to ``_compat_main_failed`` and the next statement runs, so the checks after it
+    still get a result (one that needed the failed statement fails on its own)."""
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    guarded: list[ast.stmt] = []
+    for statement in main.body:
+        report = ast.Expr(
+            ast.Call(ast.Name("_compat_main_failed", ast.Load()), [ast.Name("_compat_error")], [])
+        )
+        handler = ast.ExceptHandler(ast.Name("Exception", ast.Load()), "_compat_error", [report])
+        guarded.append(ast.copy_location(ast.Try([statement], [handler], [], []), statement))
+    main.body = guarded
+    return ast.fix_missing_locations(tree)
 
 
 def _in_step(timeout: float) -> str | None:
@@ -195,6 +214,8 @@ def stand_in(name: str) -> types.ModuleType:
             self._path = path
 
         def __getattr__(self, attr: str) -> Any:
+            if attr.startswith("__"):  # probes such as __file__ see no such attribute
+                raise AttributeError(attr)
             return Missing(f"{self._path}.{attr}")
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -202,8 +223,16 @@ def stand_in(name: str) -> types.ModuleType:
                 return None
             raise ModuleNotFoundError(f"{self._path}: {name} is not installed")
 
+    def lookup(attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return Missing(f"{name}.{attr}")
+
     module = types.ModuleType(name)
-    module.__getattr__ = lambda attr: Missing(f"{name}.{attr}")  # type: ignore[method-assign]
+    # find_spec() answers from this spec; the missing distribution metadata then makes
+    # accelerate's is_<name>_available() say False, as without the stand-in
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.__getattr__ = lookup  # type: ignore[method-assign]
     return module
 
 
@@ -232,7 +261,11 @@ def main() -> int:
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module  # pickle finds the script's classes by module name
-        spec.loader.exec_module(module)
+        module.__file__ = str(args.script)
+        failures: list[BaseException] = []
+        module.__dict__["_compat_main_failed"] = failures.append
+        code = compile(guard_main(ast.parse(source)), str(args.script), "exec")
+        exec(code, module.__dict__)
     except Exception as error:
         text, where = describe(error)
         recorder.write({"check": "<import>", "status": "error", "error": text, "where": where})
@@ -243,8 +276,12 @@ def main() -> int:
         try:
             module.main()
         except (Exception, SystemExit, _OUTCOME) as error:
+            failures.insert(0, error)
+        if failures:
             record["status"] = "error"
-            record["error"], record["where"] = describe(error)
+            record["error"], record["where"] = describe(failures[0])
+            if len(failures) > 1:
+                record["error"] += f" (and {len(failures) - 1} more statements of main)"
         recorder.write(record)
     recorder.write({"check": "<end>", "accelerate_imported": "accelerate" in sys.modules})
     return 0
