@@ -121,7 +121,11 @@ def guard_main(tree: ast.Module) -> ast.Module:
     guarded: list[ast.stmt] = []
     for statement in main.body:
         report = ast.Expr(
-            ast.Call(ast.Name("_compat_main_failed", ast.Load()), [ast.Name("_compat_error")], [])
+            ast.Call(
+                ast.Name("_compat_main_failed", ast.Load()),
+                [ast.Name("_compat_error", ast.Load())],
+                [],
+            )
         )
         handler = ast.ExceptHandler(ast.Name("Exception", ast.Load()), "_compat_error", [report])
         guarded.append(ast.copy_location(ast.Try([statement], [handler], [], []), statement))
