@@ -204,7 +204,8 @@ def _merge(run: ScriptRun, records: dict[int, list[dict[str, object]]]) -> bool:
             continue
         worst = next((ranks[r] for r in bad if ranks[r] != "killed"), "killed")
         text = "; ".join(
-            f"rank {r}: {by_rank[r].get('error', '')} ({by_rank[r].get('where', '')})"
+            f"rank {r}: {by_rank[r].get('error', '')}"
+            + (f" ({by_rank[r]['where']})" if by_rank[r].get("where") else "")
             if r in by_rank
             else f"rank {r}: stopped by torchrun after the other rank ended"
             for r in bad
