@@ -38,6 +38,21 @@ class PluginLoadWarning(KwplugWarning):
         self.distribution = distribution
 
 
+class TrackerConfigWarning(KwplugWarning):
+    """A tracker could not store some configuration values as given (lists, tuples, nested
+    dicts, other objects) and stored them flattened or as strings.
+
+    Attributes:
+        tracker: the tracker's name (``"tensorboard"``).
+        keys: the configuration keys whose values were changed, in order.
+    """
+
+    def __init__(self, message: str, *, tracker: str, keys: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.tracker = tracker
+        self.keys = keys
+
+
 class PluginLoadError(KwplugError, RuntimeError):
     """A handler plugin failed to load while ``KWPLUG_STRICT_PLUGINS=1``.
 
@@ -137,4 +152,5 @@ __all__ = [
     "PluginHookError",
     "PluginLoadError",
     "PluginLoadWarning",
+    "TrackerConfigWarning",
 ]
