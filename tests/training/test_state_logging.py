@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchrun import torchrun
 
 import kwplug
 from kwplug.logging import get_logger
 from kwplug.state import AcceleratorState, PartialState
-from tests.torchrun import torchrun
 
 SCRIPT = Path(__file__).resolve().parents[1] / "workers" / "accelerate_state_script.py"
 _IMPORT = re.compile(r"^(from|import) accelerate\b", re.MULTILINE)
