@@ -60,8 +60,15 @@ def select_device(cpu: bool, local_rank: int) -> torch.device:
     ``cpu=True`` forces the CPU. Otherwise the current accelerator reported by
     ``torch.accelerator`` (CUDA, XPU, MPS, or an out-of-tree backend) is used, with index
     ``local_rank`` modulo the device count, and made current; the CPU when there is none.
+    ``ACCELERATE_USE_CPU`` set to a true value (``1``, ``yes``...) forces the CPU too, as in
+    Accelerate (what ``kwplug.launchers.debug_launcher`` sets).
+
+    Raises:
+        ValueError: ``ACCELERATE_USE_CPU`` is neither a true nor a false value.
     """
-    if cpu:
+    from kwplug.utils.environment import parse_flag_from_env
+
+    if cpu or parse_flag_from_env("ACCELERATE_USE_CPU"):
         return torch.device("cpu")
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None:

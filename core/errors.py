@@ -78,6 +78,21 @@ class MissingFeatureError(KwplugError, RuntimeError):
         self.providers = providers
 
 
+class TrackerConfigWarning(KwplugWarning):
+    """A tracker could not store some configuration values as given (lists, tuples, nested
+    dicts, other objects) and stored them flattened or as strings.
+
+    Attributes:
+        tracker: the tracker's name (``"tensorboard"``).
+        keys: the configuration keys whose values were changed, in order.
+    """
+
+    def __init__(self, message: str, *, tracker: str, keys: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.tracker = tracker
+        self.keys = keys
+
+
 class PluginLoadError(KwplugError, RuntimeError):
     """A handler plugin failed to load while ``KWPLUG_STRICT_PLUGINS=1``.
 
@@ -210,4 +225,5 @@ __all__ = [
     "PluginLoadError",
     "PluginLoadWarning",
     "RankMismatchError",
+    "TrackerConfigWarning",
 ]

@@ -164,6 +164,10 @@ class Accelerator(_GradientAccumulation, _TrackersAndSaving, _Checkpoints, _Data
         self._trackers = _Trackers.resolve(
             setup.plugins, self.log_with, self.logging_dir, self.is_main_process
         )
+        # What kwplug.state.AcceleratorState() reports while this Accelerator lives (weakly).
+        from kwplug.state import register_accelerator
+
+        register_accelerator(self)
 
     @classmethod
     def from_config(
