@@ -34,3 +34,16 @@ def test_each_dependency_is_listed_once() -> None:
     for name, requirements in lists.items():
         names = [Requirement(r).name.lower() for r in requirements]
         assert len(names) == len(set(names)), f"{name}: {sorted(names)}"
+
+
+def test_every_package_folder_is_in_the_wheel() -> None:
+    # setuptools' explicit `packages` list does not recurse: a folder left out installs in
+    # editable mode (the test venv) and is missing from a built wheel (kwplug._data was).
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = {folder: name for name, folder in setuptools["package-dir"].items()}
+    found = set()
+    for folder, name in roots.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((name, *parts)))
+    assert sorted(found - set(setuptools["packages"])) == []
