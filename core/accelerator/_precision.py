@@ -28,18 +28,11 @@ ORIGINAL_FORWARD = "_original_forward"
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def outputs_to_fp32(outputs: Any) -> Any:
-    """``outputs`` with every float16/bfloat16 tensor converted to float32, in nested
-    tuples/lists/mappings (``ModelOutput``-like mappings rebuilt with their own type); a single
-    tensor takes the short path (``Tensor.float()``, differentiable)."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs.float() if outputs.dtype in _LOW_PRECISION else outputs
-    return convert_to_fp32(outputs)
-
-
 class AutocastForward:
     """A prepared model's ``forward``: the original forward under the autocast context, its
-    outputs converted to float32 (Accelerate's ``convert_outputs_to_fp32(autocast(forward))``).
+    float16/bfloat16 outputs converted to float32 afterwards, in nested tuples/lists/mappings
+    (``ModelOutput``-like mappings rebuilt with their own type; ``Tensor.float()``,
+    differentiable): Accelerate's ``convert_outputs_to_fp32(autocast(forward))``.
 
     ``functools.update_wrapper`` copies the original's name and docstring and sets
     ``__wrapped__`` to it, so ``inspect.signature(model.forward)`` gives the original
@@ -60,7 +53,9 @@ class AutocastForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.autocast():
             outputs = self.__wrapped__(*args, **kwargs)
-        return outputs_to_fp32(outputs)
+        if isinstance(outputs, torch.Tensor):  # the common case, without a call
+            return outputs.float() if outputs.dtype in _LOW_PRECISION else outputs
+        return convert_to_fp32(outputs)
 
     def __repr__(self) -> str:
         return f"<mixed-precision forward of {self.__wrapped__!r}>"

@@ -15,7 +15,6 @@ import attrs
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from torchrun import torchrun
 
 import kwplug
 from kwplug.errors import KwplugWarning
@@ -204,6 +203,9 @@ def test_join_then_an_uneven_evaluation_ends() -> None:
     # Issue 17, divergence 3: Join leaves DDP's join configuration enabled; kwplug restores it,
     # so the uneven evaluation after the context does not wait on a collective (a hang; the
     # timeout turns it into a failure).
+    # Imported here: run_distributed's ranks import this module without tests/ on their path.
+    from torchrun import torchrun
+
     run = torchrun(WORKERS / "join_then_uneven.py", nproc=2, timeout=150)
     results = sorted(
         (
