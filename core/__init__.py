@@ -26,12 +26,16 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.handler import KwargsHandler as KwargsHandler
     from kwplug.hookspecs import hookimpl as hookimpl
     from kwplug.hookspecs import hookspec as hookspec
+    from kwplug.launchers import debug_launcher as debug_launcher
+    from kwplug.launchers import notebook_launcher as notebook_launcher
     from kwplug.plugins import AutocastKwargs as AutocastKwargs
     from kwplug.plugins import DDPCommunicationHookType as DDPCommunicationHookType
     from kwplug.plugins import DistributedDataParallelKwargs as DistributedDataParallelKwargs
     from kwplug.plugins import GradScalerKwargs as GradScalerKwargs
     from kwplug.plugins import InitProcessGroupKwargs as InitProcessGroupKwargs
     from kwplug.plugins import ProfileKwargs as ProfileKwargs
+    from kwplug.state import AcceleratorState as AcceleratorState
+    from kwplug.state import PartialState as PartialState
     from kwplug.utils import DataLoaderConfiguration as DataLoaderConfiguration
     from kwplug.utils import DistributedType as DistributedType
     from kwplug.utils import find_executable_batch_size as find_executable_batch_size
@@ -53,12 +57,16 @@ _EXPORTS: dict[str, str] = {
     "KwargsHandler": "kwplug.handler",
     "hookimpl": "kwplug.hookspecs",
     "hookspec": "kwplug.hookspecs",
+    "debug_launcher": "kwplug.launchers",
+    "notebook_launcher": "kwplug.launchers",
     "AutocastKwargs": "kwplug.plugins",
     "DDPCommunicationHookType": "kwplug.plugins",
     "DistributedDataParallelKwargs": "kwplug.plugins",
     "GradScalerKwargs": "kwplug.plugins",
     "InitProcessGroupKwargs": "kwplug.plugins",
     "ProfileKwargs": "kwplug.plugins",
+    "AcceleratorState": "kwplug.state",
+    "PartialState": "kwplug.state",
     "DataLoaderConfiguration": "kwplug.utils",
     "DistributedType": "kwplug.utils",
     "find_executable_batch_size": "kwplug.utils",

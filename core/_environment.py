@@ -60,8 +60,15 @@ def select_device(cpu: bool, local_rank: int) -> torch.device:
     ``cpu=True`` forces the CPU. Otherwise the current accelerator reported by
     ``torch.accelerator`` (CUDA, XPU, MPS, or an out-of-tree backend) is used, with index
     ``local_rank`` modulo the device count, and made current; the CPU when there is none.
+    ``ACCELERATE_USE_CPU`` set to a true value (``1``, ``yes``...) forces the CPU too, as in
+    Accelerate (what ``kwplug.launchers.debug_launcher`` sets).
+
+    Raises:
+        ValueError: ``ACCELERATE_USE_CPU`` is neither a true nor a false value.
     """
-    if cpu:
+    from kwplug.utils.environment import parse_flag_from_env
+
+    if cpu or parse_flag_from_env("ACCELERATE_USE_CPU"):
         return torch.device("cpu")
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None:
@@ -79,20 +86,21 @@ def select_device(cpu: bool, local_rank: int) -> torch.device:
 
 
 def end_process_group() -> None:
-    """Collect garbage, then destroy the default process group if there is one.
+    """Destroy the default process group if there is one, collecting garbage first.
 
     A DDP reducer collected after its process group is destroyed can abort the process, and
-    gloo's worker threads release a collective's tensors just after it returns; so garbage is
-    collected first and, when a group exists, a 50 ms pause without the GIL precedes
+    gloo's worker threads release a collective's tensors just after it returns; so, when a
+    group exists, garbage is collected first and a 50 ms pause without the GIL precedes
     ``torch.distributed.destroy_process_group()`` (an exit in that instant can abort with
-    "terminate called without an active exception"). Safe to call more than once.
+    "terminate called without an active exception"). Without a group there is nothing whose
+    order of destruction matters, and nothing is collected (a full ``gc.collect()`` costs
+    100-300 ms). Safe to call more than once.
     """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
     import gc
     import time
 
-    import torch.distributed as dist
-
     gc.collect()
-    if dist.is_available() and dist.is_initialized():
-        time.sleep(0.05)
-        dist.destroy_process_group()
+    time.sleep(0.05)
+    dist.destroy_process_group()

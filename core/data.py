@@ -8,6 +8,7 @@ from __future__ import annotations
 from kwplug._data import (
     ActiveLoaders,
     BatchSamplerShard,
+    DispatchedDataLoader,
     IterableDatasetShard,
     PreparedDataLoader,
     SeedableRandomSampler,
@@ -18,6 +19,7 @@ from kwplug._data import (
 __all__ = [
     "ActiveLoaders",
     "BatchSamplerShard",
+    "DispatchedDataLoader",
     "IterableDatasetShard",
     "PreparedDataLoader",
     "SeedableRandomSampler",

@@ -38,6 +38,61 @@ class PluginLoadWarning(KwplugWarning):
         self.distribution = distribution
 
 
+class PluginCacheWarning(KwplugWarning):
+    """The on-disk entry-point cache failed a check and was not used (discovery scanned the
+    installed distributions instead, and rebuilt the cache where its folder allows).
+
+    Attributes:
+        path: the cache file or folder concerned.
+        reason: what failed (owner, mode, a symbolic link, an entry its metadata does not
+            declare, ...).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+
+class MissingFeatureError(KwplugError, RuntimeError):
+    """A feature the ``Accelerator`` was asked for (mixed precision, its gradient scaler, DDP
+    wrapping) has no plugin to provide it: kwplug refuses to train without it.
+
+    Attributes:
+        feature: what was asked, e.g. ``"mixed_precision='bf16'"``.
+        hook: the hook no plugin answered, e.g. ``"autocast"``.
+        providers: ``(plugin, why it did not provide it)`` for each plugin that could have.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        feature: str | None = None,
+        hook: str | None = None,
+        providers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.feature = feature
+        self.hook = hook
+        self.providers = providers
+
+
+class TrackerConfigWarning(KwplugWarning):
+    """A tracker could not store some configuration values as given (lists, tuples, nested
+    dicts, other objects) and stored them flattened or as strings.
+
+    Attributes:
+        tracker: the tracker's name (``"tensorboard"``).
+        keys: the configuration keys whose values were changed, in order.
+    """
+
+    def __init__(self, message: str, *, tracker: str, keys: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.tracker = tracker
+        self.keys = keys
+
+
 class PluginLoadError(KwplugError, RuntimeError):
     """A handler plugin failed to load while ``KWPLUG_STRICT_PLUGINS=1``.
 
@@ -127,6 +182,36 @@ class NotCheckpointableError(KwplugError, ValueError, TypeError):
         self.indices = indices
 
 
+class RankMismatchError(KwplugError, RuntimeError):
+    """The ranks of one job constructed ``Accelerator()`` with different settings (raised on
+    every rank, with the same message and attributes).
+
+    The message names each differing field and each rank's value; values are canonical JSON
+    text (``"'bf16'"`` is ``'"bf16"'``), ``"<absent>"`` for a field a rank does not have (a
+    handler or plugin it lacks).
+
+    Attributes:
+        field: the first differing field, e.g. ``"mixed_precision"``,
+            ``"DistributedDataParallelKwargs.bucket_cap_mb"``, ``"plugin 'compress'"``,
+            ``"torch version"``.
+        values: that field's value on each rank, in rank order.
+        mismatches: every differing field -> its values per rank, in rank order.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        values: tuple[str, ...] = (),
+        mismatches: Mapping[str, tuple[str, ...]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.field = field
+        self.values = tuple(values)
+        self.mismatches = dict(mismatches or {})
+
+
 class DistributedRunError(KwplugError, AssertionError):
     """A ``kwplug.testing`` distributed run failed: the message holds the failing rank's
     traceback and the tail of the job's output (an ``AssertionError``, so pytest reports it as
@@ -147,8 +232,12 @@ __all__ = [
     "DistributedRunError",
     "KwplugError",
     "KwplugWarning",
+    "MissingFeatureError",
+    "PluginCacheWarning",
     "PluginConflictError",
     "PluginHookError",
     "PluginLoadError",
     "PluginLoadWarning",
+    "RankMismatchError",
+    "TrackerConfigWarning",
 ]

@@ -9,6 +9,10 @@ import attrs
 #: Field metadata key: ``attrs.field(metadata={TO_KWARGS: False})`` keeps a field out of
 #: :meth:`KwargsHandler.to_kwargs` (e.g. options consumed by kwplug itself, not by torch).
 TO_KWARGS = "kwplug.to_kwargs"
+#: Field metadata key: ``attrs.field(metadata={AGREE: False})`` keeps a field out of the
+#: settings every rank must share (compared at each distributed ``Accelerator()``, see
+#: :class:`kwplug.errors.RankMismatchError`); for a field that may differ per rank.
+AGREE = "kwplug.agree"
 
 
 @attrs.define

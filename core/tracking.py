@@ -16,12 +16,19 @@ Trackers exist on the main process only (``init_trackers`` builds none elsewhere
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from kwplug._additive import merge
+from kwplug.errors import TrackerConfigWarning
 
-__all__ = ["GeneralTracker", "TrackerFactory", "merge_trackers"]
+__all__ = ["GeneralTracker", "TrackerFactory", "flatten_config", "merge_trackers"]
+
+#: What a flat configuration value may be (TensorBoard's ``add_hparams`` accepts these).
+ConfigValue = bool | int | float | str | None
 
 
 class GeneralTracker:
@@ -95,6 +102,97 @@ class GeneralTracker:
 #: (usually the :class:`GeneralTracker` subclass). Its ``requires_logging_directory``
 #: attribute decides whether it receives the logging directory.
 TrackerFactory = Callable[..., GeneralTracker]
+
+
+def flatten_config(
+    values: Mapping[str, Any], tracker: str, separator: str = "/"
+) -> dict[str, ConfigValue]:
+    """``values`` with only ``bool``/``int``/``float``/``str``/``None`` values, for a tracker
+    that stores nothing else (TensorBoard's hparams; torch's ``add_hparams`` raises
+    ``ValueError`` on a list or a dict).
+
+    A nested mapping becomes one key per leaf, joined with ``separator``
+    (``{"optim": {"lr": 0.1}}`` -> ``{"optim/lr": 0.1}``); a one-element tensor or a NumPy
+    scalar becomes its Python number; a list, a tuple or any other object becomes its
+    ``str()`` (``"[1, 2]"``). Key order is kept.
+
+    Args:
+        values: the configuration given to ``init_trackers``.
+        tracker: the tracker's name, for the warning.
+        separator: ``str`` between a nested key and its parent's, default ``"/"``.
+
+    Returns:
+        The flat configuration (a new ``dict``; ``values`` is not modified).
+
+    Warns:
+        kwplug.errors.TrackerConfigWarning: once per call when a value was flattened or
+            stringified; the message and its ``keys`` attribute name the top-level keys.
+    """
+    flat: dict[str, ConfigValue] = {}
+    changed: list[str] = []
+
+    def add(key: str, value: Any, top: str) -> None:
+        if isinstance(value, Mapping):
+            if top not in changed:
+                changed.append(top)
+            for inner, item in value.items():
+                add(f"{key}{separator}{inner}", item, top)
+            return
+        plain = _scalar(value)
+        if plain is _NOT_SCALAR:
+            if top not in changed:
+                changed.append(top)
+            plain = str(value)
+        flat[key] = plain
+
+    for key, value in values.items():
+        add(str(key), value, str(key))
+    if changed:
+        names = ", ".join(map(repr, changed))
+        warnings.warn(
+            TrackerConfigWarning(
+                f"{tracker}: configuration key(s) {names} hold values this tracker cannot "
+                f"store as given (lists, tuples, nested dicts or other objects): nested dicts "
+                f"were flattened to '<key>{separator}<inner key>' keys and other values stored "
+                "as strings",
+                tracker=tracker,
+                keys=tuple(changed),
+            ),
+            stacklevel=_outside_kwplug(),
+        )
+    return flat
+
+
+def _outside_kwplug() -> int:
+    # The stack level of the first caller outside kwplug and its built-in plugins, so the
+    # warning points at the user's init_trackers (or store_init_configuration) line.
+    import kwplug.plugins
+
+    own = tuple(
+        os.path.dirname(os.path.abspath(m.__file__ or "")) for m in (kwplug, kwplug.plugins)
+    )
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(own):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_NOT_SCALAR = object()
+
+
+def _scalar(value: Any) -> Any:
+    # bool/int/float/str/None as they are; a one-element tensor or NumPy array/scalar (it has
+    # .item() and one element: numel() for torch, size for NumPy) as its Python value.
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    item = getattr(value, "item", None)
+    numel = getattr(value, "numel", None)
+    count = numel() if callable(numel) else getattr(value, "size", None)
+    if callable(item) and count == 1:
+        result = item()
+        if isinstance(result, (bool, int, float, str)):
+            return result
+    return _NOT_SCALAR
 
 
 def merge_trackers(

@@ -16,7 +16,8 @@ from kwplug.validators import optional_bool, strict_bool
 
 @attrs.define
 class AutocastKwargs(KwargsHandler):
-    """Options of ``torch.autocast`` for ``Accelerator.autocast()``.
+    """Options of ``torch.autocast`` for ``Accelerator.autocast()`` and the forward of every
+    model prepared with mixed precision (``prepare()`` runs it under this context).
 
     The dtype comes from the Accelerator's ``mixed_precision``: ``"bf16"`` autocasts to
     ``torch.bfloat16``, ``"fp16"`` to ``torch.float16`` (on CPU too); with ``"no"`` the context

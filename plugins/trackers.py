@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, ClassVar
@@ -18,7 +19,7 @@ from typing import IO, Any, ClassVar
 import torch
 
 from kwplug.hookspecs import hookimpl
-from kwplug.tracking import GeneralTracker, TrackerFactory
+from kwplug.tracking import GeneralTracker, TrackerFactory, flatten_config
 
 __all__ = ["JSONLinesTracker", "TensorBoardTracker", "trackers"]
 
@@ -28,7 +29,8 @@ class TensorBoardTracker(GeneralTracker):
 
     Event files go to ``<logging_dir>/<run_name>`` (as Accelerate's tracker). Numbers (and
     0-d tensors) are logged with ``add_scalar``, strings with ``add_text``, and a dict of
-    numbers with ``add_scalars``; the configuration with ``add_hparams``.
+    numbers with ``add_scalars``; the configuration with ``add_hparams`` and, as Accelerate
+    does, to ``<logging_dir>/<run_name>/<time.time()>/hparams.yml``.
 
     Args:
         run_name: the project name given to ``init_trackers``.
@@ -67,21 +69,46 @@ class TensorBoardTracker(GeneralTracker):
         """Create the ``SummaryWriter``.
 
         Raises:
-            ModuleNotFoundError: ``tensorboard`` is not installed (names the extra).
+            ModuleNotFoundError: ``tensorboard`` or ``pyyaml`` is not installed (names the
+                extra).
         """
         try:
+            import yaml  # noqa: F401  (checked here: store_init_configuration needs it)
             from torch.utils.tensorboard import SummaryWriter
         except ModuleNotFoundError as exc:
             raise ModuleNotFoundError(
-                "log_with='tensorboard' needs the tensorboard package: "
+                f"log_with='tensorboard' needs the {exc.name} package: "
                 "pip install 'kwplug[tensorboard]'"
             ) from exc
         self.writer = SummaryWriter(self.logging_dir, **self.init_kwargs)
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
-        """Log ``values`` as hyperparameters (``SummaryWriter.add_hparams``)."""
-        self.writer.add_hparams(dict(values), metric_dict={})
+        """Log ``values`` as hyperparameters and write them to ``hparams.yml``.
+
+        TensorBoard's hparams (``SummaryWriter.add_hparams``, in the run's
+        ``<time.time()>`` sub-folder) hold only numbers, strings and booleans: values that
+        are lists, tuples, nested dicts or other objects are flattened or stringified by
+        :func:`kwplug.tracking.flatten_config`, with a warning naming the keys (Accelerate
+        and torch raise ``ValueError`` instead). ``hparams.yml`` in the same folder keeps
+        ``values`` as given (``yaml.safe_dump``; tuples as lists, one-element tensors and
+        NumPy scalars as numbers, other objects as strings), Accelerate's file for the
+        configurations Accelerate accepts.
+
+        Warns:
+            kwplug.errors.TrackerConfigWarning: some values were flattened or stringified.
+        """
+        import yaml
+
+        stamp = str(time.time())
+        hparams = flatten_config(values, self.name)
+        # One folder for the hparams events and the YAML file (Accelerate makes two, from
+        # two time stamps).
+        self.writer.add_hparams(hparams, metric_dict={}, run_name=stamp)
         self.writer.flush()
+        folder = Path(self.logging_dir) / stamp
+        folder.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(_yaml_ready(values), default_flow_style=False, sort_keys=True)
+        (folder / "hparams.yml").write_text(text, encoding="utf-8")
 
     def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
         """Log each value by type: numbers as scalars, ``str`` as text, dicts of numbers as
@@ -172,6 +199,21 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (str, numbers.Number, Mapping, list, tuple)) or value is None:
         return value
     raise TypeError(f"cannot log a value of type {type(value).__name__}")
+
+
+def _yaml_ready(value: Any) -> Any:
+    # What yaml.safe_dump writes plainly: mappings and lists of bool/int/float/str/None.
+    if isinstance(value, Mapping):
+        return {str(k): _yaml_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_yaml_ready(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    try:
+        plain = _plain(value)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: .item() of a larger tensor
+        return str(value)
+    return str(value) if plain is value else _yaml_ready(plain)
 
 
 @hookimpl

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kwplug._data._dispatch import DispatchedDataLoader
 from kwplug._data._loader import (
     ActiveLoaders,
     PreparedDataLoader,
@@ -15,6 +16,7 @@ from kwplug._data._shards import BatchSamplerShard, IterableDatasetShard, Seedab
 __all__ = [
     "ActiveLoaders",
     "BatchSamplerShard",
+    "DispatchedDataLoader",
     "IterableDatasetShard",
     "PreparedDataLoader",
     "SeedableRandomSampler",

@@ -230,11 +230,13 @@ class PreparedDataLoader(DataLoader[Any]):
         }
 
     def _set_epoch_everywhere(self, epoch: int) -> None:
-        # As Accelerate: samplers (DistributedSampler, SeedableRandomSampler) and the data set.
-        holders: list[Any] = [self.batch_sampler, getattr(self.batch_sampler, "batches", None)]
-        samplers = [getattr(h, "sampler", None) for h in holders if h is not None]
-        targets: list[Any] = [*holders, *samplers, self.dataset]
-        for target in targets:
+        # As Accelerate: the user's batch sampler, its sampler (DistributedSampler,
+        # SeedableRandomSampler) and the data set, under kwplug's own wrappers.
+        batches = _user_batches(self.batch_sampler)
+        targets: list[Any] = [batches, getattr(batches, "sampler", None), self.dataset]
+        for index, target in enumerate(targets):
+            if any(target is earlier for earlier in targets[:index]):
+                continue
             if target is not None and callable(getattr(target, "set_epoch", None)):
                 target.set_epoch(epoch)
 
@@ -304,18 +306,23 @@ class PreparedDataLoader(DataLoader[Any]):
         self.end_of_dataloader = False
         self.batches_yielded = skip
         iterator = self._start_iterator()
-        for _ in range(dropped):
-            next(iterator, None)
         if self.tracker is not None:
             self.tracker.begin(self)
         try:
-            yield from self._look_ahead(iterator)
+            yield from self._rank_batches(iterator, dropped)
         finally:
             if self.tracker is not None:
                 self.tracker.end(self)
         self.set_epoch(self.epoch + 1)
         for callback in self.on_end:
             callback(self)
+
+    def _rank_batches(self, iterator: Iterator[Any], skip: int) -> Iterator[Any]:
+        """This process's batches from the underlying ``DataLoader`` iterator, after dropping
+        ``skip`` of them (read, not yielded: an iterable data set cannot skip unread)."""
+        for _ in range(skip):
+            next(iterator, None)
+        return self._look_ahead(iterator)
 
     def _look_ahead(self, iterator: Iterator[Any]) -> Iterator[Any]:
         current = next(iterator, _END)
@@ -331,6 +338,16 @@ class PreparedDataLoader(DataLoader[Any]):
 
 _END: Any = object()
 _KEEP: Any = object()
+
+
+def _user_batches(batch_sampler: Any) -> Any:
+    """The user's batch sampler under kwplug's wrappers (``SkippableBatches``, shards)."""
+    while isinstance(batch_sampler, (SkippableBatches, BatchSamplerShard)):
+        if isinstance(batch_sampler, SkippableBatches):
+            batch_sampler = batch_sampler.batches
+        else:
+            batch_sampler = batch_sampler.batch_sampler
+    return batch_sampler
 
 
 def _index_sampler(batch_sampler: Any) -> Any:

@@ -3,6 +3,7 @@ batches, as ``accelerate.data_loader.prepare_data_loader`` does."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -15,13 +16,16 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from kwplug._data._dispatch import DispatchedDataLoader
 from kwplug._data._loader import ActiveLoaders, PreparedDataLoader, Sharding, SkippableBatches
 from kwplug._data._shards import (
     BatchSamplerShard,
     IterableDatasetShard,
     SeedableRandomSampler,
+    check_split,
     sampler_of,
 )
+from kwplug.errors import KwplugWarning
 from kwplug.utils.dataclasses import DataLoaderConfiguration
 
 #: DataLoader arguments copied from the user's loader (the sampling ones are rebuilt).
@@ -71,12 +75,17 @@ def prepare_dataloader(
       gets one (seeded from torch's global generator, or ``seed``) whose state is broadcast
       from rank 0 at every epoch start, so every rank draws the same order. A user's
       ``DistributedSampler`` already shards: it is kept and not sharded again.
-    - Iterable data set, several processes: wrapped in a
+    - ``dispatch_batches`` (``None``, the default: an iterable data set): a
+      :class:`~kwplug.data.DispatchedDataLoader`; process 0 reads the user's loader (its
+      whole batch sampler, or the stream) and every process receives its slice of each
+      global batch, as Accelerate's ``DataLoaderDispatcher``.
+    - Iterable data set with ``dispatch_batches=False``, several processes: wrapped in a
       :class:`~kwplug.data.IterableDatasetShard`.
     - One process: the batches are the user loader's own.
     - ``use_seedable_sampler``: a ``RandomSampler`` becomes a
       :class:`~kwplug.data.SeedableRandomSampler` (seed ``data_seed``, else
-      ``torch.initial_seed()``; the order depends on the seed and epoch only).
+      ``torch.initial_seed()`` of process 0, broadcast to the others; the order depends on
+      the seed and epoch only, so the shards partition the data).
 
     Args:
         loader: the user's data loader (a :class:`PreparedDataLoader` is returned as is).
@@ -93,8 +102,14 @@ def prepare_dataloader(
 
     Raises:
         ValueError: ``split_batches`` with a batch size that is unknown or not a multiple of
-            ``world_size``; a ``DistributedSampler`` built for another number of processes;
-            an iterable data set without a batch size in several processes.
+            ``world_size``; a ``DistributedSampler`` built for another number of processes,
+            or with ``dispatch_batches=True``; an iterable data set without a batch size in
+            several processes (unless dispatched).
+
+    Warns:
+        KwplugWarning: ``even_batches=False`` with a dispatched loader in several processes
+            (it has no effect, as in Accelerate); a seedable sampler whose seed on this
+            process differed from process 0's.
     """
     if isinstance(loader, PreparedDataLoader):
         return loader
@@ -107,8 +122,37 @@ def prepare_dataloader(
     place = None if device.type == "cpu" else device
     common: dict[str, Any] = {"device": place, "tracker": tracker, **kwargs}
 
+    dispatch = config.dispatch_batches
+    if dispatch is None:  # Accelerate's default: dispatch iterable data sets
+        dispatch = isinstance(dataset, IterableDataset)
+    if dispatch:
+        common.pop("generator", None)  # as Accelerate: the base seed comes from torch's RNG
+        if not config.even_batches and n > 1:
+            warnings.warn(
+                "even_batches=False has no effect on a loader prepared with dispatch_batches "
+                "(as in Accelerate): its last global batch is completed with the epoch's first "
+                "samples; use dispatch_batches=False for uneven batches",
+                KwplugWarning,
+                stacklevel=3,
+            )
+
     if isinstance(dataset, IterableDataset):
         batch_size = loader.batch_size
+        if dispatch:
+            if split:
+                check_split(batch_size, n, "data loader")
+            total = batch_size if (split or batch_size is None) else batch_size * n
+            # batch_size stays the loader's (Accelerate's attribute; len() derives from it).
+            return DispatchedDataLoader(
+                dataset,
+                batch_size=batch_size,
+                drop_last=loader.drop_last,
+                sharding=Sharding(
+                    n, rank, split, total, length, loader.drop_last, config.non_blocking
+                ),
+                batch_size_per_process=batch_size,
+                **common,
+            )
         if n > 1 and batch_size is None:
             raise ValueError(
                 "an IterableDataset loader with batch_size=None cannot be sharded across "
@@ -146,8 +190,33 @@ def prepare_dataloader(
             data_seed=config.data_seed,
         )
         batches = _with_sampler(batches, sampler)
+        if n > 1 and config.data_seed is None and not dispatch:
+            _agree_on_seed(sampler)
     sync: torch.Generator | None = None
     drop_last = bool(getattr(batches, "drop_last", loader.drop_last))
+    if dispatch:
+        if isinstance(sampler, DistributedSampler):
+            raise ValueError(
+                "dispatch_batches=True reads the loader on process 0 only, but its "
+                "DistributedSampler yields only process 0's shard; drop the DistributedSampler "
+                "(prepare shards the data) or use dispatch_batches=False"
+            )
+        if split:
+            check_split(batch_size, n, "batch sampler")
+        if seed is not None and isinstance(sampler, RandomSampler):
+            _shared_generator(sampler, seed)
+        total = None if batch_size is None else (batch_size if split else batch_size * n)
+        global_rng = not isinstance(sampler, (SequentialSampler, SeedableRandomSampler))
+        sharding = Sharding(
+            n, rank, split, total, length, drop_last, config.non_blocking, None, global_rng
+        )
+        return DispatchedDataLoader(
+            dataset,
+            batch_sampler=batches,
+            sharding=sharding,
+            batch_size_per_process=batch_size // n if (split and batch_size) else batch_size,
+            **common,
+        )
     if isinstance(sampler, DistributedSampler):
         if sampler.num_replicas != n:
             raise ValueError(
@@ -197,3 +266,23 @@ def _shared_generator(sampler: Any, seed: int | None) -> torch.Generator | None:
         sampler.generator.manual_seed(_draw_seed() if seed is None else seed)
     generator: torch.Generator = sampler.generator
     return generator
+
+
+def _agree_on_seed(sampler: SeedableRandomSampler) -> None:
+    """Give ``sampler`` process 0's seed, so that every process draws the same order and the
+    shards partition the data even when the processes were seeded differently
+    (``set_seed(..., device_specific=True)``; Accelerate shuffles each with its own seed)."""
+    from kwplug.utils.operations import broadcast_object_list
+
+    own = sampler.initial_seed
+    (sampler.initial_seed,) = broadcast_object_list([own], from_process=0)
+    if sampler.initial_seed != own:
+        warnings.warn(
+            f"use_seedable_sampler: this process's seed (torch.initial_seed() = {own}) differs "
+            f"from process 0's ({sampler.initial_seed}); every process shuffles with process "
+            "0's so that each sample is seen once per epoch (Accelerate would shuffle each "
+            "process with its own seed, repeating some samples and missing others). Set "
+            "DataLoaderConfiguration(data_seed=...) to choose the seed",
+            KwplugWarning,
+            stacklevel=4,
+        )

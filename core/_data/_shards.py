@@ -18,7 +18,7 @@ from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, Sampl
 __all__ = ["BatchSamplerShard", "IterableDatasetShard", "SeedableRandomSampler"]
 
 
-def _check_split(batch_size: int | None, num_processes: int, what: str) -> None:
+def check_split(batch_size: int | None, num_processes: int, what: str) -> None:
     if batch_size is None or (batch_size > 1 and batch_size % num_processes != 0):
         raise ValueError(
             f"split_batches=True needs the batch size of the {what} ({batch_size}) to be a "
@@ -106,7 +106,7 @@ class BatchSamplerShard(BatchSampler):
         self.batch_size: int | None = getattr(batch_sampler, "batch_size", None)  # type: ignore[assignment]
         self.drop_last: bool = getattr(batch_sampler, "drop_last", False)
         if split_batches:
-            _check_split(self.batch_size, num_processes, "batch sampler")
+            check_split(self.batch_size, num_processes, "batch sampler")
 
     @property
     def total_length(self) -> int:
@@ -223,7 +223,7 @@ class IterableDatasetShard(IterableDataset[Any]):
         split_batches: bool = False,
     ) -> None:
         if split_batches:
-            _check_split(batch_size, num_processes, "data loader")
+            check_split(batch_size, num_processes, "data loader")
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last

@@ -16,9 +16,9 @@ it each own one concern:
 from __future__ import annotations
 
 from kwplug._plugins._calls import Answer
-from kwplug._plugins._discovery import GROUP, discover, set_visible, visible
+from kwplug._plugins._discovery import discover, set_visible, visible
 from kwplug._plugins._manager import TRACE_ENV, KwplugPluginManager
-from kwplug._plugins._records import PluginRecord
+from kwplug._plugins._records import GROUP, PluginRecord
 from kwplug._plugins._rules import require_handler_instance, require_handler_list
 
 __all__ = [

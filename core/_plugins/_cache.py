@@ -17,6 +17,13 @@ depends on has changed:
   (``PKG-INFO``, ``requires.txt`` for ``*.egg-info``), so that an in-place edit of a plugin's
   metadata is seen too (kwplug's own distribution is one of them: a kwplug upgrade is seen).
 
+A cache proves itself at each read, or is not used (:mod:`kwplug._plugins._cache_trust`): its
+folder and file must be the user's and writable by nobody else, the file is opened without
+following a symbolic link, and every entry point is checked against the ``entry_points.txt`` of
+the metadata folder it names, the built-in verdict derived again from that distribution's
+files. A cache that fails is one :class:`~kwplug.errors.PluginCacheWarning`, and is deleted and
+rebuilt (a folder that fails is neither read nor written).
+
 An entry is never written while one of these times is within :data:`RACY_SECONDS` of now (a
 change in the same clock tick would go unseen, as git's "racily clean" files); a file that does
 not parse, or has the wrong shape, is ignored and rewritten. Files are written atomically
@@ -38,15 +45,19 @@ import re
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import attrs
 
+from kwplug._plugins import _cache_trust as _trust
+from kwplug.errors import PluginCacheWarning
+
 CACHE_DIR_ENV = "KWPLUG_CACHE_DIR"
 NO_CACHE_ENV = "KWPLUG_NO_CACHE"
 #: Bumped whenever the file's layout or the meaning of a field changes.
-FORMAT = 2  # 2: distributions carry the built-in verdict
+FORMAT = 3  # 2: distributions carry the built-in verdict; 3: and their metadata folder
 #: Keys with a modification time this close to now (seconds) are not written.
 RACY_SECONDS = 2.0
 #: Keys kept per file (most recent first).
@@ -100,14 +111,16 @@ class CachedDistribution:
         version: its version.
         api_problem: why its requirement on kwplug excludes the kwplug that wrote the entry
             (``None``: compatible, or kwplug's own distribution).
-        builtin: it is the distribution this kwplug was installed from (checked against its
-            files when the cache was filled, not by name).
+        builtin: it is the distribution this kwplug was installed from (derived from its
+            files when the cache is filled and again each time it is read, never by name).
+        path: its metadata folder (``*.dist-info``), which every read checks the entry against.
     """
 
     name: str
     version: str
     api_problem: str | None = None
     builtin: bool = False
+    path: str | None = None
 
 
 @attrs.frozen
@@ -141,7 +154,10 @@ class CachedEntryPoint:
 
 
 def enabled() -> bool:
-    """Whether the cache is used (``KWPLUG_NO_CACHE`` is not set to a true value)."""
+    """Whether the cache is used: ``KWPLUG_NO_CACHE`` is not set to a true value, and the
+    platform can check the file's owner without following links (POSIX)."""
+    if not _trust.supported():
+        return False
     return os.environ.get(NO_CACHE_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
 
 
@@ -174,11 +190,21 @@ def environment_key() -> dict[str, Any]:
         "format": FORMAT,
         "python": sys.version,
         "executable": sys.executable,
-        "meta_path": [_qualname(f if isinstance(f, type) else type(f)) for f in sys.meta_path],
+        "meta_path": [
+            name
+            for name in (_qualname(f if isinstance(f, type) else type(f)) for f in sys.meta_path)
+            if name not in _SAME_AS_PATH_FINDER
+        ],
         "path": [[entry, _mtime(entry or os.curdir)] for entry in sys.path],
         # relative entries (``""`` is the working directory) resolve against it
         "cwd": os.getcwd() if any(not os.path.isabs(e) for e in sys.path) else None,
     }
+
+
+# importlib_metadata adds this finder to sys.meta_path when first imported (a cache read
+# imports it to prove the entries): it finds the distributions the stdlib's PathFinder finds, so
+# it must not make the process's next key differ.
+_SAME_AS_PATH_FINDER = frozenset({"importlib_metadata.MetadataPathFinder"})
 
 
 def _qualname(cls: type) -> str:
@@ -203,20 +229,65 @@ def _fresh(watched: Sequence[Sequence[Any]]) -> bool:
 
 
 def read(key: dict[str, Any]) -> tuple[CachedEntryPoint, ...] | None:
-    """The cached entry points for ``key``, or ``None`` (disabled, absent, stale, corrupt)."""
+    """The cached entry points for ``key``, each proven against its metadata, or ``None``
+    (disabled, absent, stale, corrupt, or untrusted).
+
+    An untrusted cache (see :mod:`kwplug._plugins._cache_trust`) is one
+    :class:`~kwplug.errors.PluginCacheWarning`; the file is deleted when its folder is sound, so
+    that the scan that follows rebuilds it.
+    """
     if not enabled():
         return None
+    path = cache_file()
     try:
-        with open(cache_file(), encoding="utf-8") as handle:
-            data = json.load(handle)
+        folder = _trust.open_folder(os.path.dirname(path), create=False)
+    except _trust.UntrustedCache as exc:
+        _distrust(path, exc)
+        return None
+    except OSError as exc:
+        logger.debug("kwplug: cannot open the entry-point cache folder of %s: %r", path, exc)
+        return None
+    if folder is None:
+        return None
+    try:
+        return _read_in(folder, path, key)
+    except _trust.UntrustedCache as exc:
+        if exc.remove:
+            _trust.remove_file(folder, os.path.basename(path))
+        _distrust(path, exc)
+    finally:
+        os.close(folder)
+    return None
+
+
+def _read_in(folder: int, path: str, key: dict[str, Any]) -> tuple[CachedEntryPoint, ...] | None:
+    # Raises UntrustedCache; anything else wrong with the file is a silent miss.
+    try:
+        text = _trust.read_file(folder, os.path.basename(path), path)
+        if text is None:
+            return None
+        data = json.loads(text)
+        found = None
         for entry in data["entries"]:
             if entry["key"] == key and _fresh(entry["watched"]):
-                return tuple(_entry_point(item) for item in entry["entry_points"])
-    except FileNotFoundError:
-        return None
+                found = tuple(_entry_point(item) for item in entry["entry_points"])
+                break
+    except _trust.UntrustedCache:
+        raise
     except Exception as exc:  # a corrupt or foreign file is a miss, never an error
-        logger.debug("kwplug: ignoring the entry-point cache %s: %r", cache_file(), exc)
-    return None
+        logger.debug("kwplug: ignoring the entry-point cache %s: %r", path, exc)
+        return None
+    return None if found is None else _trust.prove(found, [entry for entry, _ in key["path"]])
+
+
+def _distrust(path: str, exc: _trust.UntrustedCache) -> None:
+    message = (
+        f"kwplug: the entry-point cache is not used: {exc}. The installed plugins were read "
+        "from their metadata instead"
+        + (" and the cache rebuilt" if exc.remove else "; set KWPLUG_CACHE_DIR to a private folder")
+    )
+    warnings.warn(PluginCacheWarning(message, path=path, reason=str(exc)), stacklevel=2)
+    logger.debug(message)
 
 
 def _entry_point(item: dict[str, Any]) -> CachedEntryPoint:
@@ -228,10 +299,12 @@ def _entry_point(item: dict[str, Any]) -> CachedEntryPoint:
         raise TypeError(f"malformed cache entry {item!r}")
     if not isinstance(dist["builtin"], bool):  # a cache without the verdict is a miss
         raise TypeError(f"malformed cache entry {item!r}")
+    if not isinstance(dist["path"], str):
+        raise TypeError(f"malformed cache entry {item!r}")
     return CachedEntryPoint(
         item["name"],
         item["value"],
-        CachedDistribution(dist["name"], dist["version"], problem, dist["builtin"]),
+        CachedDistribution(dist["name"], dist["version"], problem, dist["builtin"], dist["path"]),
     )
 
 
@@ -260,26 +333,34 @@ def write(
     }
     path = cache_file()
     try:
-        old = _old_entries(path, key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".entry-points-")
+        folder = _trust.open_folder(os.path.dirname(path), create=True)
+        if folder is None:  # removed between makedirs and open
+            return False
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump({"format": FORMAT, "entries": [entry, *old][:MAX_KEYS]}, handle)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError as exc:
+            old = _old_entries(folder, path, key)
+            # mkstemp creates the file with mode 0600 in the checked folder
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".entry-points-")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                    json.dump({"format": FORMAT, "entries": [entry, *old][:MAX_KEYS]}, handle)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        finally:
+            os.close(folder)
+    except (OSError, _trust.UntrustedCache) as exc:  # an untrusted folder was reported on read
         logger.debug("kwplug: cannot write the entry-point cache %s: %r", path, exc)
         return False
     return True
 
 
-def _old_entries(path: str, key: dict[str, Any]) -> list[Any]:
+def _old_entries(folder: int, path: str, key: dict[str, Any]) -> list[Any]:
+    # The other keys' entries of a file that passes the file checks (they are proven when
+    # read); an untrusted, absent or corrupt file: start afresh.
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+        text = _trust.read_file(folder, os.path.basename(path), path)
+        data = json.loads(text or "{}")
         return [e for e in data["entries"] if isinstance(e, dict) and e.get("key") != key]
-    except Exception:  # absent or corrupt: start afresh
+    except Exception:
         return []

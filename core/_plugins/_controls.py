@@ -5,7 +5,8 @@ One grammar for every variable: a comma-separated list of names, each an entry-p
 names ``kwplug plugins`` shows.
 
 - ``KWPLUG_DISABLE_PLUGIN_AUTOLOAD=1``: load only kwplug's own built-ins. Any non-empty value
-  other than ``0``/``false`` disables (fail closed, as pytest's variable does).
+  disables -- whitespace too -- except ``0``/``false`` (any case, surrounding spaces ignored);
+  unset or empty does not (fail closed, as pytest's ``PYTEST_DISABLE_PLUGIN_AUTOLOAD`` does).
 - ``KWPLUG_PLUGINS=a,b``: allow-list of third-party plugins (set but empty: none).
 - ``KWPLUG_BLOCK_PLUGINS=c``: deny-list (built-ins can be blocked too).
 - ``KWPLUG_STRICT_PLUGINS=1``: a plugin that fails to load raises :class:`PluginLoadError`
@@ -37,9 +38,12 @@ _FALSE = frozenset({"", "0", "false", "no", "off"})
 
 
 def _disabled(environ: Mapping[str, str]) -> bool:
-    # Fail closed, as pytest reads PYTEST_DISABLE_PLUGIN_AUTOLOAD: any value but 0/false
-    # (say "TRUE ", "y", "please") disables third-party plugins.
-    return environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false")
+    # Fail closed, as pytest reads PYTEST_DISABLE_PLUGIN_AUTOLOAD (``bool(os.environ.get(...))``:
+    # any non-empty value disables). Any non-empty value disables here too -- whitespace
+    # included ("TRUE ", "y", " ") -- except an explicit 0/false (kwplug's documented
+    # opt-out, which pytest does not have). Unset or empty: plugins load.
+    value = environ.get(DISABLE_AUTOLOAD_ENV, "")
+    return value != "" and value.strip().lower() not in ("0", "false")
 
 
 def _strict(environ: Mapping[str, str]) -> bool:

@@ -17,27 +17,26 @@ never imported.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import json
 import logging
 import os
-import re
 import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlparse
-from urllib.request import url2pathname
 
 import attrs
 
 from kwplug._plugins import _cache
 from kwplug._plugins._cache import CachedDistribution, CachedEntryPoint, EntryPointLike
 from kwplug._plugins._controls import LoadControls
+from kwplug._plugins._guard import kwplug_kept
 from kwplug._plugins._manager import KwplugPluginManager
-from kwplug._plugins._records import OWN_DISTRIBUTION, PluginRecord, plugin_object
+from kwplug._plugins._own import CORE, is_own_distribution, normalise
+from kwplug._plugins._records import GROUP, PluginRecord, plugin_object
 from kwplug._plugins._rules import (
     entry_point_object_problem,
     registered_plugin_problem,
@@ -45,7 +44,6 @@ from kwplug._plugins._rules import (
 )
 from kwplug.errors import PluginLoadError, PluginLoadWarning
 
-GROUP = "kwplug.handlers"
 #: A plugin slower than this to import (seconds) is reported with a PluginLoadWarning.
 SLOW_IMPORT_SECONDS = 1.0
 #: A plugin import still running after this many seconds is logged (level WARNING, logger
@@ -65,35 +63,50 @@ def _load(ep: EntryPointLike) -> PluginRecord:
     watchdog = threading.Timer(HUNG_IMPORT_SECONDS, _report_hung, args=(record,))
     watchdog.daemon = True
     watchdog.start()
+    # A third-party import cannot change kwplug: what it replaced is restored and reported
+    # (built-ins were imported before any third-party plugin, see _discover).
+    changes: list[str] = []
+    guard = contextlib.nullcontext(changes) if record.builtin else kwplug_kept()
     try:
-        obj = ep.load()
-        problem = entry_point_object_problem(obj, ep.value)
-        if problem is not None:
-            raise TypeError(problem)
-        # Validate hookimpls against the specs now, so a broken plugin is reported once here
-        # instead of failing every Accelerator later.
-        pm = _checker()
-        plugin = plugin_object(attrs.evolve(record, obj=obj))
-        with _checker_lock:
-            try:
-                validate_hookimpls(pm, plugin, ep.name)
-                problem = registered_plugin_problem(pm, plugin)
-                if problem is not None:
-                    raise TypeError(problem)
-                hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
-            finally:
-                if pm.is_registered(plugin):
-                    pm.unregister(plugin)
+        with guard as changes:
+            obj, hooks = _import_and_check(ep, record)
+        if changes:
+            raise ImportError("kwplug undid them")
     except KeyboardInterrupt:  # the user's Ctrl-C stops the program, as everywhere else
         raise
     except BaseException as exc:  # a plugin's SystemExit must not end the run
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, for tables
+        if changes:
+            reason = f"its import changed kwplug ({', '.join(changes)}; undone): {reason}"
         return attrs.evolve(
             record, error=reason, status="failed", load_seconds=time.perf_counter() - start
         )
     finally:
         watchdog.cancel()
     return attrs.evolve(record, obj=obj, hooks=hooks, load_seconds=time.perf_counter() - start)
+
+
+def _import_and_check(ep: EntryPointLike, record: PluginRecord) -> tuple[Any, tuple[str, ...]]:
+    # The loaded object and the hooks it implements; raises whatever import or validation does.
+    obj = ep.load()
+    problem = entry_point_object_problem(obj, ep.value)
+    if problem is not None:
+        raise TypeError(problem)
+    # Validate hookimpls against the specs now, so a broken plugin is reported once here
+    # instead of failing every Accelerator later.
+    pm = _checker()
+    plugin = plugin_object(attrs.evolve(record, obj=obj))
+    with _checker_lock:
+        try:
+            validate_hookimpls(pm, plugin, ep.name)
+            problem = registered_plugin_problem(pm, plugin)
+            if problem is not None:
+                raise TypeError(problem)
+            hooks = tuple(sorted(c.name for c in pm.get_hookcallers(plugin) or ()))
+        finally:
+            if pm.is_registered(plugin):
+                pm.unregister(plugin)
+    return obj, hooks
 
 
 @functools.cache
@@ -151,9 +164,9 @@ def _entry_points() -> tuple[EntryPointLike, ...]:
         # loads none, so it leaves that to the next one that may.
         return tuple(found)
     entries = tuple(_cached(ep) for ep in found)
-    folders = [getattr(ep.dist, "_path", None) for ep in found]
-    if all(isinstance(f, os.PathLike) for f in folders):  # else a zip or a custom finder
-        _cache.write(key, entries, (os.fspath(f) for f in folders))  # type: ignore[arg-type]
+    folders = [ep.dist.path for ep in entries]
+    if all(folders):  # else a zip or a custom finder
+        _cache.write(key, entries, (f for f in folders if f))
     return entries
 
 
@@ -168,7 +181,7 @@ def _scan() -> list[EntryPointLike]:
     for dist in importlib_metadata.distributions():
         builtin = is_own_distribution(dist)
         for ep in dist.entry_points.select(group=GROUP):
-            key = (re.sub(r"[-_.]+", "-", dist.name or "").lower(), ep.name, builtin)
+            key = (normalise(dist.name), ep.name, builtin)
             if key not in seen:  # the same distribution can be seen twice on sys.path
                 seen.add(key)
                 found.append(ep)
@@ -179,8 +192,10 @@ def _cached(ep: EntryPointLike) -> CachedEntryPoint:
     distribution, version = _dist(ep)
     builtin = _builtin(ep)
     problem = None if builtin else _api_problem(ep)
+    folder = getattr(ep.dist, "_path", None)
+    path = os.fspath(folder) if isinstance(folder, os.PathLike) else None
     return CachedEntryPoint(
-        ep.name, ep.value, CachedDistribution(distribution, version, problem, builtin)
+        ep.name, ep.value, CachedDistribution(distribution, version, problem, builtin, path)
     )
 
 
@@ -212,16 +227,12 @@ def _load_cached(ep: EntryPointLike) -> PluginRecord:
     return record
 
 
-# kwplug's own folder (this module's parent package's parent).
-_CORE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def _warn(message: str, record: PluginRecord) -> None:
     # Point the warning at the user's line (the Accelerator(), the discover() call), not at
     # kwplug's own frames, whatever depth the cached loaders are reached from.
     frame = sys._getframe(1)
     level = 2
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_CORE):
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(CORE):
         frame = frame.f_back
         level += 1
     warning = PluginLoadWarning(message, plugin=record.name, distribution=record.distribution)
@@ -240,40 +251,9 @@ def _incompatible(ep: EntryPointLike, problem: str) -> PluginRecord:
     return record
 
 
-# kwplug's own package folder, and the file its distribution metadata must point at.
-_OWN_INIT = os.path.join(_CORE, "__init__.py")
-
-
-def is_own_distribution(dist: Any) -> bool:
-    """Whether ``dist`` (an ``importlib_metadata.Distribution``) is the distribution this very
-    kwplug was installed from.
-
-    The name alone proves nothing: any folder on ``sys.path`` may hold a ``kwplug-*.dist-info``
-    (a stale copy, a malicious one), and built-ins skip the loading controls and the API range.
-    ``dist`` is kwplug's own when it is named ``kwplug`` and either lists kwplug's imported
-    ``__init__.py`` among its installed files, or is an editable install (``direct_url.json``)
-    of the source folder kwplug was imported from.
-    """
-    # PEP 503 normalisation by hand: packaging costs milliseconds at every start-up.
-    if re.sub(r"[-_.]+", "-", dist.name or "").lower() != OWN_DISTRIBUTION:
-        return False
-    own = os.path.realpath(_OWN_INIT)
-    for path in dist.files or ():
-        if path.name == "__init__.py" and os.path.realpath(str(dist.locate_file(path))) == own:
-            return True
-    try:
-        direct = json.loads(dist.read_text("direct_url.json") or "{}")
-    except ValueError:
-        return False
-    url = direct.get("url", "") if isinstance(direct, dict) else ""
-    if not (url.startswith("file://") and direct.get("dir_info", {}).get("editable")):
-        return False
-    source = os.path.realpath(url2pathname(urlparse(url).path))
-    return own.startswith(source + os.sep)
-
-
 def _builtin(ep: EntryPointLike) -> bool:
-    # A cached entry point carries the verdict taken when the cache was filled.
+    # A cached entry point carries the verdict derived again from its distribution's files
+    # when the cache was read (kwplug._plugins._cache_trust).
     if isinstance(ep.dist, CachedDistribution):
         return ep.dist.builtin
     return ep.dist is not None and is_own_distribution(ep.dist)
@@ -334,7 +314,9 @@ def _discover(controls: LoadControls) -> tuple[PluginRecord, ...]:
     # Cached per set of controls: reading distribution metadata is the costly part, and the
     # environment variables may change between calls (tests, notebooks).
     records = []
-    for ep in _entry_points():
+    # Built-ins are imported before any third-party plugin, so that no third-party import
+    # (which may replace sys.modules["kwplug"], say) can stop them loading.
+    for ep in sorted(_entry_points(), key=lambda ep: not _builtin(ep)):
         if _visible is not None and not _visible(ep):
             continue
         distribution, version = _dist(ep)

@@ -11,6 +11,8 @@ from kwplug.handler import KwargsHandler
 
 #: The distribution of kwplug's own built-in handlers.
 OWN_DISTRIBUTION = "kwplug"
+#: The entry-point group handler plugins are declared in.
+GROUP = "kwplug.handlers"
 
 
 @attrs.frozen
@@ -32,7 +34,7 @@ class PluginRecord:
         load_seconds: wall time spent importing and validating it, in seconds.
         builtin: declared by the distribution this very kwplug was installed from (not merely
             by some metadata folder named ``kwplug``; see
-            :func:`kwplug._plugins._discovery.is_own_distribution`).
+            :func:`kwplug._plugins._own.is_own_distribution`).
     """
 
     name: str

@@ -15,10 +15,38 @@ and a delegating method on the facade; collectives go to ``_ops``.
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from kwplug.accelerator._facade import Accelerator
 from kwplug.accelerator._setup import MIXED_PRECISION
 
 # Documented, pickled and shown under its public path.
 Accelerator.__module__ = __name__
+
+# Scripts import these from ``accelerate.accelerator`` too (Accelerate's shipped test scripts
+# do): served from their one home, lazily, so that importing this package stays cheap.
+_REEXPORTS = {
+    "AcceleratorState": "kwplug.state",
+    "PartialState": "kwplug.state",
+    "DataLoaderConfiguration": "kwplug.utils",
+    "GradientAccumulationPlugin": "kwplug.utils",
+    "ProjectConfiguration": "kwplug.utils",
+    "DistributedType": "kwplug.utils",
+    "AutocastKwargs": "kwplug",
+    "DistributedDataParallelKwargs": "kwplug",
+    "GradScalerKwargs": "kwplug",
+    "InitProcessGroupKwargs": "kwplug",
+    "ProfileKwargs": "kwplug",
+    "KwargsHandler": "kwplug",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _REEXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = ["MIXED_PRECISION", "Accelerator"]

@@ -16,6 +16,7 @@ from kwplug._environment import end_process_group
 from kwplug._plugins import Answer, KwplugPluginManager
 from kwplug.accelerator import _metrics, _ops
 from kwplug.accelerator._accumulation import GradientState, _GradientAccumulation
+from kwplug.accelerator._agreement import check_ranks_agree
 from kwplug.accelerator._io import _Checkpoints, _TrackersAndSaving
 from kwplug.accelerator._keywords import check_bool
 from kwplug.accelerator._options import resolve_options
@@ -102,9 +103,19 @@ class Accelerator(
             ``log_with`` holds something else than names and trackers.
         ValueError: (also) an unknown tracker name (lists the available ones), or a tracker
             writing files while no ``project_dir``/``logging_dir`` is set.
-        RuntimeError: ``WORLD_SIZE > 1`` but no plugin initialised the process group.
+        RuntimeError: ``WORLD_SIZE > 1`` but no plugin initialised the process group; or
+            the other ranks did not construct an Accelerator within the process group's
+            timeout.
         kwplug.errors.PluginConflictError: two third-party plugins registered by default
             both claim a one-answer hook for this device (see :mod:`kwplug.hookspecs`).
+        kwplug.errors.RankMismatchError: (``WORLD_SIZE > 1``, on every rank) the ranks were
+            built with different settings, versions or plugins; the message names each
+            field and each rank's value (one ``all_gather_object`` of a digest, see
+            :mod:`kwplug.accelerator._agreement`).
+        kwplug.errors.MissingFeatureError: ``mixed_precision="fp16"``/``"bf16"`` or
+            ``WORLD_SIZE > 1`` asks for autocast, a gradient scaler or DDP wrapping and no
+            plugin provides it (blocked, disabled, failed to load); the message says why for
+            each possible provider.
     """
 
     def __init__(
@@ -134,6 +145,7 @@ class Accelerator(
             "no" if mixed_precision is None else mixed_precision, cpu, kwargs_handlers
         )
         setup = self._setup
+        check_ranks_agree(setup, options)  # one small all-gather when distributed
         self.mixed_precision: str = setup.mixed_precision
         self.device_placement: bool = check_bool("device_placement", device_placement)
         self.handlers: list[KwargsHandler] = setup.handlers
@@ -162,6 +174,10 @@ class Accelerator(
         self._trackers = _Trackers.resolve(
             setup.plugins, self.log_with, self.logging_dir, self.is_main_process
         )
+        # What kwplug.state.AcceleratorState() reports while this Accelerator lives (weakly).
+        from kwplug.state import register_accelerator
+
+        register_accelerator(self)
 
     @classmethod
     def from_config(
@@ -274,11 +290,13 @@ class Accelerator(
         """Finish the trackers (main process), then destroy the default process group
         (``torch.distributed.destroy_process_group``).
 
-        The Accelerator drops its references to prepared objects and runs the garbage
-        collector first: a DDP reducer collected after its process group is destroyed can
-        abort the process at exit. A script that never calls it is covered too: at interpreter
-        exit (``atexit``), a distributed Accelerator's process collects garbage and destroys a
-        process group that is still there (without it, gloo aborted about 2 exits in 5).
+        The Accelerator drops its references to prepared objects and, when a process group
+        exists, runs the garbage collector before destroying it: a DDP reducer collected after
+        its process group is destroyed can abort the process at exit. Without a group nothing
+        is collected (a full ``gc.collect()`` costs 100-300 ms). A script that never calls it
+        is covered too: at interpreter exit (``atexit``), a distributed Accelerator's process
+        collects garbage and destroys a process group that is still there (without it, gloo
+        aborted about 2 exits in 5).
         """
         self._trackers.finish()
         self._prepared.clear()

@@ -65,24 +65,29 @@ class _TrackersAndSaving:
         keep_fp32_wrapper: bool = True,
         keep_torch_compile: bool = True,
     ) -> torch.nn.Module:
-        """The user's module inside torch's wrappers (DDP, ``DataParallel``) and plugins'
-        (``unwrap_model`` hook), as Accelerate's ``extract_model_from_parallel``.
+        """The user's module inside torch's wrappers (DDP, DataParallel) and plugins' (the
+        ``unwrap_model`` hook), as Accelerate's ``unwrap_model``.
 
         Args:
             model: a prepared model.
-            keep_fp32_wrapper: Accelerate's (default ``True``); kwplug never patches
-                ``forward``, so there is no wrapper to remove.
-            keep_torch_compile: default ``True``: a ``torch.compile`` wrapper
-                (``torch._dynamo.OptimizedModule``) directly around the user's module is
-                kept and returned; ``False``: its ``_orig_mod`` is returned.
+            keep_fp32_wrapper: ``bool``, default ``True``: keep the mixed-precision forward
+                that ``prepare`` installed (autocast, float32 outputs); ``False`` restores the
+                model's own ``forward``.
+            keep_torch_compile: ``bool``, default ``True``: keep ``torch.compile``'s
+                ``OptimizedModule`` around the unwrapped module; ``False`` removes it too.
 
         Raises:
-            TypeError: a flag is not a ``bool``; a plugin's ``unwrap_model`` returned
-                something else than a module.
+            TypeError: a flag is not a ``bool``; a plugin's ``unwrap_model`` hook returned
+                something that is not a ``torch.nn.Module``.
         """
         _keywords.check_bool("keep_fp32_wrapper", keep_fp32_wrapper)
         _keywords.check_bool("keep_torch_compile", keep_torch_compile)
-        return _saving.unwrap(model, self.plugin_manager, keep_torch_compile=keep_torch_compile)
+        return _saving.unwrap(
+            model,
+            self.plugin_manager,
+            keep_fp32_wrapper=keep_fp32_wrapper,
+            keep_torch_compile=keep_torch_compile,
+        )
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """The full state dict (a sharded model's gathered to rank 0, on the CPU)."""

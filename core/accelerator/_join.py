@@ -78,6 +78,11 @@ def join_uneven_inputs(
         return
     restore = [] if even_batches is None else _override_even_batches(loaders, even_batches)
     even = default_even_batches if even_batches is None else even_batches
+    # Join sets every joinable's join configuration on entry and never resets it: a DDP model
+    # would stay in join mode after the context, its next forward a collective that a later
+    # uneven loop (evaluation) never matches on the other ranks, a hang.
+    # (Joinable.__init__ sets `_join_config`, the attribute Join itself writes.)
+    configs = [(joinable, getattr(joinable, "_join_config", None)) for joinable in joinables]
     try:
         # Even batches need no joining: every rank gets the same number of batches.
         with Join(joinables, enable=not even, throw_on_early_termination=False):
@@ -85,3 +90,6 @@ def join_uneven_inputs(
     finally:
         for shard, value in restore:
             shard.even_batches = value
+        for joinable, config in configs:
+            if config is not None:
+                joinable._join_config = config

@@ -13,6 +13,7 @@ from kwplug._plugins import Answer
 from kwplug.accelerator._accumulation import GradientState
 from kwplug.accelerator._options import _Options
 from kwplug.accelerator._params import ParameterRemap
+from kwplug.accelerator._precision import apply_mixed_precision
 from kwplug.accelerator._setup import _Setup
 from kwplug.data import ActiveLoaders, PreparedDataLoader, prepare_dataloader
 from kwplug.errors import PluginHookError
@@ -134,9 +135,11 @@ class _Prepared:
     def model(
         self, model: torch.nn.Module, device_placement: bool = True, evaluation_mode: bool = False
     ) -> torch.nn.Module:
-        """Move ``model`` to the device (unless not ``device_placement``), wrap it through
+        """Move ``model`` to the device (unless not ``device_placement``); with mixed
+        precision, run its ``forward`` under the autocast context with float32 outputs
+        (``kwplug.accelerator._precision``, as Accelerate's ``prepare``); wrap it through
         ``wrap_model`` (unless ``evaluation_mode``: Accelerate's, no DDP wrapper for a model
-        only evaluated), follow replaced parameters in every prepared optimizer.
+        only evaluated); follow replaced parameters in every prepared optimizer.
 
         Raises:
             TypeError: the answering plugin returned something that is not a module.
@@ -147,6 +150,9 @@ class _Prepared:
         before = dict(model.named_parameters())
         if device_placement:
             model = model.to(setup.device)
+        if setup.mixed_precision != "no":
+            # Patched before wrapping, as Accelerate: a DDP wrapper calls the patched forward.
+            apply_mixed_precision(model, setup.autocast_factory)
         if evaluation_mode:
             self.models.append(model)
             return model

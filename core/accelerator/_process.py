@@ -171,3 +171,17 @@ def split_between_processes(
     if isinstance(inputs, Mapping):
         return type(inputs)({k: part(v) for k, v in inputs.items()})  # type: ignore[call-arg]
     return part(inputs)
+
+
+def decorated(function: F | None, name: str) -> F:
+    """``function``, the argument of the ``name`` decorator (``on_main_process``...).
+
+    Raises:
+        ValueError: ``function`` is ``None`` (Accelerate's signature allows the call).
+    """
+    if function is None:
+        raise ValueError(
+            f"the `{name}` decorator must be applied to a function, on an instance "
+            f"(`@accelerator.{name}`)"
+        )
+    return function

@@ -47,7 +47,7 @@ class _DataAndProcessAPI(_process.Ranks):
 
     @property
     def dispatch_batches(self) -> bool | None:
-        """``dataloader_config.dispatch_batches`` (``True`` is refused by kwplug)."""
+        """``dataloader_config.dispatch_batches`` (``None``: dispatch iterable data sets)."""
         return self.dataloader_config.dispatch_batches
 
     @property
@@ -194,7 +194,7 @@ class _DataAndProcessAPI(_process.Ranks):
             ValueError: no ``function`` (as Accelerate's, outside its own class).
         """
         return _process.run_if(
-            _decorated(function, "on_main_process"), lambda: self.is_main_process
+            _process.decorated(function, "on_main_process"), lambda: self.is_main_process
         )
 
     def on_local_main_process(self, function: F | None = None) -> F:
@@ -204,7 +204,8 @@ class _DataAndProcessAPI(_process.Ranks):
             ValueError: no ``function``.
         """
         return _process.run_if(
-            _decorated(function, "on_local_main_process"), lambda: self.is_local_main_process
+            _process.decorated(function, "on_local_main_process"),
+            lambda: self.is_local_main_process,
         )
 
     def on_last_process(self, function: F) -> F:
@@ -286,12 +287,3 @@ class _DataAndProcessAPI(_process.Ranks):
     def clear(self, *objects: Any) -> list[None]:
         """Alias of :meth:`free_memory`."""
         return self.free_memory(*objects)
-
-
-def _decorated(function: F | None, name: str) -> F:
-    if function is None:
-        raise ValueError(
-            f"the `{name}` decorator must be applied to a function, on an Accelerator instance "
-            f"(`@accelerator.{name}`)"
-        )
-    return function

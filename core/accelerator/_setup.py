@@ -19,6 +19,7 @@ import torch.distributed as dist
 from kwplug._environment import ProcessInfo, end_process_group, select_device
 from kwplug._plugins import Answer, KwplugPluginManager, discover, require_handler_list
 from kwplug._plugins._reuse import manager_for
+from kwplug.accelerator._required import require_features
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import AutocastFactory
@@ -70,6 +71,8 @@ def resolve(
         RuntimeError: ``WORLD_SIZE > 1`` but no plugin initialised the process group.
         kwplug.errors.PluginConflictError: two third-party default plugins claim a
             one-answer hook for this device.
+        kwplug.errors.MissingFeatureError: mixed precision, its scaler or DDP wrapping was
+            asked for and no plugin provides it (see ``kwplug.accelerator._required``).
     """
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(
@@ -108,6 +111,7 @@ def resolve(
     scaler: torch.amp.GradScaler | None = plugins.call_first(
         "make_scaler", device_type=device.type, mixed_precision=mixed_precision
     ).result
+    require_features(plugins, mixed_precision, info.world_size, device.type)
     logger.debug(
         "Accelerator on %s, rank %d/%d, mixed_precision=%s, plugins: %s",
         device,

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _rng as rng
-from kwplug.data import PreparedDataLoader
+from kwplug.data import DispatchedDataLoader, PreparedDataLoader
 from kwplug.errors import CheckpointError, KwplugWarning
 
 #: PowerSGD state kept across sizes (the rest, ``error_dict`` / ``p_memory_dict`` /
@@ -80,6 +80,8 @@ def describe(loader: DataLoader[Any]) -> dict[str, Any] | None:
 
 def _user_batch_size(loader: PreparedDataLoader) -> int | None:
     size, n = loader.batch_size, loader.sharding.num_processes
+    if isinstance(loader, DispatchedDataLoader) and isinstance(loader.dataset, IterableDataset):
+        return size  # a dispatched stream keeps the user's batch size (as Accelerate)
     return size * n if (size is not None and loader.sharding.split_batches and n > 1) else size
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pluggy
-import pytest
+
+try:
+    import pytest
+except ModuleNotFoundError as error:  # the kit's fixtures are pytest's: name the extra
+    if error.name != "pytest":
+        raise
+    raise ModuleNotFoundError(
+        "kwplug.testing needs pytest: pip install 'kwplug[testing]'", name="pytest"
+    ) from error
 
 from kwplug.testing.sandbox import PluginSandbox
 

@@ -15,7 +15,8 @@ Modules, named as Accelerate's:
 - :mod:`kwplug.utils.structures`: ``send_to_device``, ``recursively_apply`` and other helpers
   for nested tuples/lists/dicts of tensors (in Accelerate's ``operations``);
 - :mod:`kwplug.utils.imports`: ``is_*_available``, ``is_torch_version``;
-- :mod:`kwplug.utils.environment`: ``patch_environment``, ``str_to_bool``;
+- :mod:`kwplug.utils.environment`: ``patch_environment``, ``purge_accelerate_environment``,
+  ``str_to_bool``;
 - the handlers (``AutocastKwargs``, ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
   ``InitProcessGroupKwargs``, ``ProfileKwargs``) and ``DDPCommunicationHookType``, from
   :mod:`kwplug.plugins`.
@@ -40,6 +41,9 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.dataclasses import ProjectConfiguration as ProjectConfiguration
     from kwplug.utils.environment import parse_flag_from_env as parse_flag_from_env
     from kwplug.utils.environment import patch_environment as patch_environment
+    from kwplug.utils.environment import (
+        purge_accelerate_environment as purge_accelerate_environment,
+    )
     from kwplug.utils.environment import str_to_bool as str_to_bool
     from kwplug.utils.imports import compare_versions as compare_versions
     from kwplug.utils.imports import is_bf16_available as is_bf16_available
@@ -126,6 +130,7 @@ _EXPORTS: dict[str, str] = {
     "ProjectConfiguration": "kwplug.utils.dataclasses",
     "parse_flag_from_env": "kwplug.utils.environment",
     "patch_environment": "kwplug.utils.environment",
+    "purge_accelerate_environment": "kwplug.utils.environment",
     "str_to_bool": "kwplug.utils.environment",
     "compare_versions": "kwplug.utils.imports",
     "is_bf16_available": "kwplug.utils.imports",

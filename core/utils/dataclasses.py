@@ -100,14 +100,6 @@ def _seed(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         raise ValueError(f"'{attribute.name}' must be in [-2**63, 2**64), got {value!r}")
 
 
-def _not_true(reason: str) -> Any:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is True:
-            raise ValueError(f"'{attribute.name}=True' is not supported by kwplug: {reason}")
-
-    return check
-
-
 @attrs.define
 class DataLoaderConfiguration:
     """How ``Accelerator.prepare`` shards data loaders (Accelerate's fields and defaults).
@@ -117,16 +109,27 @@ class DataLoaderConfiguration:
             split across the processes (its size must be a multiple of ``num_processes``);
             ``False``: each process gets whole batches, so the global batch is
             ``batch_size * num_processes``.
-        dispatch_batches: ``None`` (default) or ``False``. Accelerate's ``True`` (rank 0 reads
-            every batch and sends each process its part) is refused with a ``ValueError``:
-            every kwplug rank reads its own shard (an ``IterableDataset`` is read by every
-            rank, which keeps the slices Accelerate would have sent it).
+        dispatch_batches: ``bool`` or ``None`` (default). ``True``: process 0 reads every
+            batch and sends each process its slice (``torch.distributed.broadcast_object_list``
+            for the shapes, ``broadcast`` for the tensors): without ``split_batches``
+            ``num_processes`` batches of the loader are concatenated into one global batch,
+            with it one batch is sliced. The last global batch, when its size is not a
+            multiple of ``num_processes``, is completed with the epoch's first samples, and
+            the loader's ``remainder`` is its number of real samples (``gather_for_metrics``
+            keeps those); ``even_batches`` has no effect (a warning says so). Batches must be
+            tensors. ``False``: every process reads its own shard (an ``IterableDataset`` is
+            read whole by every process, which keeps its slices). ``None``: ``True`` for an
+            ``IterableDataset``, ``False`` otherwise, as Accelerate (its per-rank batches,
+            ``remainder`` and ``gather_for_metrics`` counts).
         even_batches: ``bool``, default ``True``; complete the last global batch with samples
             from the start of the data set so that every process gets the same number of
             batches (``gather_for_metrics`` drops the duplicates again).
         use_seedable_sampler: ``bool``, default ``False``; shuffle with a sampler seeded from
             ``data_seed`` (or the seed given to ``set_seed``) that yields the same order on
-            every process.
+            every process. Without ``data_seed``, process 0's seed is broadcast to the others
+            when the loader is prepared, so the shards partition the data even after
+            ``set_seed(seed, device_specific=True)`` (Accelerate shuffles each process with
+            its own seed there; a warning is issued where the seeds differed).
         data_seed: ``int`` or ``None`` (default); the seed of that sampler's generator.
         non_blocking: ``bool``, default ``False``; copy batches to the device with
             ``non_blocking=True`` (pair with ``pin_memory=True``).
@@ -136,22 +139,11 @@ class DataLoaderConfiguration:
 
     Raises:
         TypeError: a field has the wrong type (``0``/``1`` are not booleans).
-        ValueError: ``dispatch_batches=True``; ``data_seed`` outside torch's seed range.
+        ValueError: ``data_seed`` outside torch's seed range.
     """
 
     split_batches: bool = attrs.field(default=False, validator=strict_bool)
-    dispatch_batches: bool | None = attrs.field(
-        default=None,
-        validator=[
-            optional_bool,
-            _not_true(
-                "kwplug never sends batches from the main process to the others; every rank "
-                "reads its own shard of the loader (of an IterableDataset, every rank iterates "
-                "it and keeps its slices: the per-rank batches of Accelerate's dispatching). "
-                "Use dispatch_batches=None or False"
-            ),
-        ],
-    )
+    dispatch_batches: bool | None = attrs.field(default=None, validator=optional_bool)
     even_batches: bool = attrs.field(default=True, validator=strict_bool)
     use_seedable_sampler: bool = attrs.field(default=False, validator=strict_bool)
     data_seed: int | None = attrs.field(default=None, validator=_seed)

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
-__all__ = ["parse_flag_from_env", "patch_environment", "str_to_bool"]
+__all__ = [
+    "parse_flag_from_env",
+    "patch_environment",
+    "purge_accelerate_environment",
+    "str_to_bool",
+]
+
+T = TypeVar("T")
 
 _TRUE = frozenset({"y", "yes", "t", "true", "on", "1"})
 _FALSE = frozenset({"n", "no", "f", "false", "off", "0"})
@@ -60,3 +68,72 @@ def patch_environment(**kwargs: Any) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = old
+
+
+#: The prefixes of the variables :func:`purge_accelerate_environment` restores.
+_PURGED_PREFIXES = ("ACCELERATE_", "KWPLUG_")
+
+
+def purge_accelerate_environment(func_or_cls: T) -> T:
+    """Decorator (Accelerate's): after each call of the decorated function -- or of each
+    ``test*`` method of the decorated class and of its subclasses -- the ``ACCELERATE_*`` and
+    ``KWPLUG_*`` environment variables are as they were before it: those it set are removed,
+    those it changed or removed get their old value back (also when it raises).
+
+    Two differences from Accelerate's: kwplug's own variables (``KWPLUG_PLUGINS``...) are
+    restored too, since a test setting them affects the next one the same way; and a variable
+    the function deleted is restored (Accelerate restores only those still set at the end).
+
+    Args:
+        func_or_cls: a function, or a class (``unittest.TestCase`` or a plain pytest class).
+
+    Returns:
+        The wrapped function, or the class itself with its test methods wrapped.
+    """
+
+    @contextlib.contextmanager
+    def restored() -> Iterator[None]:
+        before = {k: v for k, v in os.environ.items() if k.startswith(_PURGED_PREFIXES)}
+        try:
+            yield
+        finally:
+            for key in [k for k in os.environ if k.startswith(_PURGED_PREFIXES)]:
+                if key not in before:
+                    del os.environ[key]
+            os.environ.update(before)
+
+    def wrap(function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with restored():
+                return function(*args, **kwargs)
+
+        wrapper._accelerate_is_purged_environment_wrapped = True  # type: ignore[attr-defined]
+        return wrapper
+
+    if not isinstance(func_or_cls, type):
+        return wrap(func_or_cls)  # type: ignore[arg-type, return-value]
+    decorated: type = func_or_cls
+
+    def wrap_tests(cls: type) -> None:
+        for name in dir(cls):
+            method = getattr(cls, name)
+            if (
+                name.startswith("test")
+                and callable(method)
+                and not getattr(method, "_accelerate_is_purged_environment_wrapped", False)
+            ):
+                setattr(cls, name, wrap(method))
+
+    wrap_tests(decorated)
+    previous_hook = decorated.__dict__.get("__init_subclass__")
+
+    def init_subclass(cls: type, **kwargs: Any) -> None:
+        if previous_hook is not None:  # the decorated class's own hook still runs
+            previous_hook.__func__(cls, **kwargs)
+        else:
+            super(decorated, cls).__init_subclass__(**kwargs)  # type: ignore[arg-type]
+        wrap_tests(cls)
+
+    decorated.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment, arg-type]
+    return func_or_cls

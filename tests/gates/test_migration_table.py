@@ -18,9 +18,13 @@ from typing import Any
 import pytest
 
 import kwplug
+import kwplug.data_loader
+import kwplug.launchers
 import kwplug.local_sgd
+import kwplug.logging
 import kwplug.optimizer
 import kwplug.scheduler
+import kwplug.state
 import kwplug.tracking
 import kwplug.utils
 
@@ -114,7 +118,8 @@ def test_names_claimed_supported_exist_in_kwplug(names: tuple[set[str], set[str]
     members, utils = names
     accelerator = kwplug.Accelerator(cpu=True)
     anywhere: list[Any] = [accelerator, kwplug, kwplug.utils, kwplug.tracking, kwplug.local_sgd]
-    anywhere += [kwplug.optimizer, kwplug.scheduler]
+    anywhere += [kwplug.optimizer, kwplug.scheduler, kwplug.logging, kwplug.state]
+    anywhere += [kwplug.launchers, kwplug.data_loader]
     missing = []
     for namespace, status, row, line in _rows():
         if status != "supported":

@@ -27,6 +27,7 @@ KWPLUG_WORKING: frozenset[str] = frozenset(
         "memory",
         "multi_process_metrics",
         "nlp_example",
+        "nlp_example_bf16",
         "profiler",
         "schedule_free",
         "tracking",

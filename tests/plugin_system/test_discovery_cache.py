@@ -176,21 +176,25 @@ def test_controls_and_api_range_apply_to_cached_entry_points(
     assert "kwplug<0.0.1" in (records["cacheplug_old"].error or "")
 
 
-def test_a_cache_hit_imports_neither_importlib_metadata_nor_packaging(
+def test_a_cache_hit_scans_no_distribution_and_imports_no_packaging(
     site: Path, tmp_path: Path
 ) -> None:
+    # A hit reads only the plugins' own metadata (to prove each entry, with importlib_metadata)
+    # instead of every installed distribution's, and never imports packaging.
     install(site, "cacheplug-sub", "cacheplug_sub", requires="kwplug>=0.0.1")
     age(site)
     program = (
-        "import sys, kwplug\n"
+        "import sys, importlib_metadata, kwplug\n"
+        "if sys.argv[1] == 'hit':\n"
+        "    def boom(**kw): raise AssertionError('scanned')\n"
+        "    importlib_metadata.distributions = boom\n"
         "records = {r.name: r.status for r in kwplug.discover()}\n"
-        "print(records['cacheplug_sub'], 'importlib_metadata' in sys.modules, "
-        "'packaging.requirements' in sys.modules)\n"
+        "print(records['cacheplug_sub'], 'packaging.requirements' in sys.modules)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"}
     runs = [
         subprocess.run(
-            [sys.executable, "-c", program],
+            [sys.executable, "-c", program, mode],
             cwd=site,
             env=env,
             capture_output=True,
@@ -198,10 +202,10 @@ def test_a_cache_hit_imports_neither_importlib_metadata_nor_packaging(
             timeout=300,
             check=True,
         ).stdout.split()
-        for _ in range(2)
+        for mode in ("miss", "hit")
     ]
-    assert runs[0][0] == "loaded" and runs[0][1] == "True"  # the miss scans
-    assert runs[1] == ["loaded", "False", "False"]
+    assert runs[0] == ["loaded", "True"]  # the miss scans and range-checks
+    assert runs[1] == ["loaded", "False"]
 
 
 def test_sandbox_plugins_are_seen_through_the_cache(

@@ -22,6 +22,7 @@ BUILTIN_BASES = {
     errors.ConfigError: ValueError,
     errors.CheckpointError: ValueError,
     errors.DistributedRunError: AssertionError,
+    errors.RankMismatchError: RuntimeError,
     errors.PluginLoadWarning: UserWarning,
 }
 
@@ -54,6 +55,9 @@ def test_old_import_paths_name_the_same_classes() -> None:
         errors.ConfigError("m", file="f.toml", key="handlers.ddp"),
         errors.PluginLoadError("m", plugins=(("p", "d"),)),
         errors.DistributedRunError("m", returncode=3),
+        errors.RankMismatchError(
+            "m", field="mixed_precision", values=('"bf16"', '"no"'), mismatches={"x": ("1", "2")}
+        ),
     ],
     ids=lambda e: type(e).__name__,
 )

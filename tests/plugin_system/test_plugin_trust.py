@@ -115,9 +115,25 @@ def test_fast_import_is_not_reported_as_hung(
 # -- item 8: loading controls fail closed ---------------------------------------------------
 
 
-@pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", "y", "2", "please", " on "])
+@pytest.mark.parametrize(
+    "value", ["1", "true", "TRUE", "yes", "y", "2", "please", " on ", " ", "\t", "  \n"]
+)
 def test_disable_autoload_disables_on_any_value_but_0_or_false(value: str) -> None:
+    # Whitespace is a non-empty value: it disables, as PYTEST_DISABLE_PLUGIN_AUTOLOAD does.
     assert LoadControls.from_env({"KWPLUG_DISABLE_PLUGIN_AUTOLOAD": value}).builtins_only
+
+
+def test_whitespace_disable_value_keeps_third_party_plugins_unimported(
+    kwplug_plugins: PluginSandbox, modules: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 18 item 5: KWPLUG_DISABLE_PLUGIN_AUTOLOAD=" " loaded every plugin.
+    name = write(modules, "kwplug_trust_spaced", "import sys\nsys.modules[__name__].HIT = 1\n")
+    kwplug_plugins.add(name, name="spaced", distribution="kwplug-spaced")
+    del sys.modules[name]
+    monkeypatch.setenv("KWPLUG_DISABLE_PLUGIN_AUTOLOAD", " ")
+    statuses = {r.name: r.status for r in kwplug.discover(refresh=True)}
+    assert statuses["spaced"] == "disabled" and statuses["autocast"] == "loaded"
+    assert name not in sys.modules  # never imported
 
 
 @pytest.mark.parametrize("value", ["", "0", "false", "False", " 0 "])

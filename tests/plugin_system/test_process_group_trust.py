@@ -7,17 +7,27 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+import attrs
 import pytest
 import torch
 import torch.distributed as dist
 
 import kwplug
-from kwplug.errors import PluginHookError
+from kwplug.errors import MissingFeatureError, PluginHookError
 from kwplug.testing import run_distributed
 
 
+@attrs.define
+class _NoWrap(kwplug.KwargsHandler):
+    """Implements wrap_model but never wraps (a plugin that declines for this model)."""
+
+    @kwplug.hookimpl
+    def wrap_model(self, model: torch.nn.Module) -> None:
+        return None
+
+
 def _prepare_unwrapped() -> str:
-    accelerator = kwplug.Accelerator(cpu=True)
+    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[_NoWrap()])
     try:
         accelerator.prepare(torch.nn.Linear(2, 2))
     except PluginHookError as exc:
@@ -32,6 +42,28 @@ def test_unwrapped_model_with_several_processes_is_an_error() -> None:
     for message in messages:
         assert "2 processes are running but no plugin wrapped the model Linear" in message
         assert "gradients would never be synchronised" in message
+
+
+def _accelerator_without_ddp() -> str:
+    try:
+        kwplug.Accelerator(cpu=True)
+    except MissingFeatureError as exc:
+        return f"{exc.feature}|{exc.hook}|{exc}"
+    return "constructed without error"
+
+
+def test_no_ddp_provider_with_several_processes_fails_at_construction() -> None:
+    # Issue 18 item 4: DDP wrapping is asked for (WORLD_SIZE=2) and no plugin implements
+    # wrap_model: Accelerator() refuses on every rank, naming the blocked built-in.
+    messages = run_distributed(
+        _accelerator_without_ddp, env={"KWPLUG_BLOCK_PLUGINS": "ddp"}, timeout=180
+    )
+    for message in messages:
+        feature, hook, text = message.split("|", 2)
+        assert (feature, hook) == ("DDP wrapping (WORLD_SIZE=2)", "wrap_model")
+        assert (
+            "built-in plugin 'ddp' (kwplug " in text and "blocked by KWPLUG_BLOCK_PLUGINS" in text
+        )
 
 
 def test_frozen_model_needs_no_wrapper() -> None:

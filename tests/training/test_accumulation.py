@@ -311,8 +311,13 @@ def test_hook_no_sync() -> None:
 
 
 def test_fp16_clip_unscales_once_and_only_on_sync_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The prepared forward runs in float16: torch's default initial scale (2**16) would overflow
+    # these float16 gradients (2 and 4 per weight) and skip the steps, so start lower.
     accelerator = kwplug.Accelerator(
-        cpu=True, mixed_precision="fp16", gradient_accumulation_steps=2
+        cpu=True,
+        mixed_precision="fp16",
+        gradient_accumulation_steps=2,
+        kwargs_handlers=[kwplug.GradScalerKwargs(init_scale=1024.0)],
     )
     scaler = accelerator.scaler
     assert scaler is not None

@@ -12,7 +12,12 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
 import kwplug
-from kwplug.data import BatchSamplerShard, IterableDatasetShard, PreparedDataLoader
+from kwplug.data import (
+    BatchSamplerShard,
+    DispatchedDataLoader,
+    IterableDatasetShard,
+    PreparedDataLoader,
+)
 from kwplug.testing import run_distributed
 from kwplug.utils import DataLoaderConfiguration, set_seed
 
@@ -271,6 +276,10 @@ def test_unbatched_iterable_dataset_is_refused_in_several_processes() -> None:
     from kwplug.data import prepare_dataloader
 
     loader = DataLoader(Stream(4), batch_size=None)
+    own_shards = DataLoaderConfiguration(dispatch_batches=False)
     with pytest.raises(ValueError, match="whole data set"):
-        prepare_dataloader(loader, torch.device("cpu"), world_size=2, rank=0)
+        prepare_dataloader(loader, torch.device("cpu"), world_size=2, rank=0, config=own_shards)
+    # Dispatched (the default for a stream): process 0 reads the batches the data set yields.
+    dispatched = prepare_dataloader(loader, torch.device("cpu"), world_size=2, rank=0)
+    assert isinstance(dispatched, DispatchedDataLoader)
     assert [int(x) for x in prepare_dataloader(loader, torch.device("cpu"), 1, 0)] == [0, 1, 2, 3]

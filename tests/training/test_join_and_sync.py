@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -18,6 +20,8 @@ import kwplug
 from kwplug.errors import KwplugWarning
 from kwplug.handler import TO_KWARGS
 from kwplug.testing import run_distributed
+
+WORKERS = Path(__file__).parents[1] / "workers"
 
 SAMPLES = 7  # batch size 1 over 2 ranks: 4 and 3 batches when even_batches=False
 
@@ -193,3 +197,26 @@ def test_hook_sync_in_backward() -> None:
     # Not its model: the DDP handler declines too (not DDP), so a null context.
     assert isinstance(accelerator.trigger_sync_in_backward(other), contextlib.nullcontext)
     assert wrapper.entered == 1
+
+
+def test_join_then_an_uneven_evaluation_ends() -> None:
+    # Issue 17, divergence 3: Join leaves DDP's join configuration enabled; kwplug restores it,
+    # so the uneven evaluation after the context does not wait on a collective (a hang; the
+    # timeout turns it into a failure).
+    # Imported here: run_distributed's ranks import this module without tests/ on their path.
+    from torchrun import torchrun
+
+    run = torchrun(WORKERS / "join_then_uneven.py", nproc=2, timeout=150)
+    results = sorted(
+        (
+            json.loads(line.split(" ", 1)[1])
+            for line in run.stdout.splitlines()
+            if "RESULT " in line
+        ),
+        key=lambda r: r["rank"],
+    )
+    assert [r["steps"] for r in results] == [4, 3]
+    for result in results:
+        assert result["evaluated"] == [4, 3]
+        assert result["join_enabled_after"] is False
+        assert result["grads_equal"]

@@ -128,9 +128,10 @@ def test_unwrap_and_state_dict_of_torch_wrappers() -> None:
     net = model()
     compiled = torch.compile(net)
     wrapped = torch.nn.DataParallel(compiled)
-    assert accelerator.unwrap_model(wrapped) is compiled  # keep_torch_compile=True, as Accelerate
+    # keep_torch_compile=True (the default, as Accelerate's): the compiled module stays.
+    assert accelerator.unwrap_model(wrapped) is compiled
+    assert accelerator.unwrap_model(wrapped, keep_fp32_wrapper=False) is compiled
     assert accelerator.unwrap_model(wrapped, keep_torch_compile=False) is net
-    assert accelerator.unwrap_model(wrapped, False, False) is net
     state = accelerator.get_state_dict(wrapped)
     assert list(state) == list(net.state_dict())
     assert next(iter(accelerator.get_state_dict(wrapped, unwrap=False))).startswith("module.")
@@ -162,7 +163,7 @@ def test_hook_unwrap_model(tmp_path: Path) -> None:
     net = model()
     prepared = accelerator.prepare(net)
     assert isinstance(prepared, Wrapper)
-    # plugin layer, then torch.compile's
+    # The plugin layer, then torch.compile's (kept by default, as Accelerate keeps it).
     assert accelerator.unwrap_model(prepared, keep_torch_compile=False) is net
     assert accelerator.unwrap_model(prepared)._orig_mod is net
     assert accelerator.unwrap_model(Wrapper(Wrapper(net))) is net

@@ -1,0 +1,116 @@
+"""A third-party plugin's import cannot change kwplug: what it replaced is put back, and named.
+
+Discovery imports kwplug's built-ins first, then each third-party plugin inside
+:func:`kwplug_kept`. That snapshot holds every ``kwplug`` / ``kwplug.*`` entry of
+``sys.modules`` and the top-level bindings of each of those modules; after the import it finds
+
+- a ``sys.modules`` entry replaced or removed (``sys.modules["kwplug"] = fake``), or a new
+  ``kwplug.*`` entry that is not a module from kwplug's own folders;
+- a binding of a kwplug module replaced or deleted (``kwplug.plugins.autocast.AutocastKwargs =
+  None``, ``kwplug.Accelerator = Fake``), or an attribute of a class kwplug defines replaced,
+  deleted or added (``AutocastKwargs.autocast = ...``), as a monkeypatch at import does;
+
+restores each, and reports them, so that discovery marks the plugin failed with what it changed.
+Python cannot stop code from doing anything; this stops an import from doing it silently, and
+keeps kwplug, the built-ins already loaded and every later plugin working.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+_ROOT = "kwplug"
+_MISSING: Any = object()
+# Bindings Python itself changes while other code runs (warnings' per-module registry).
+_VOLATILE = frozenset({"__warningregistry__"})
+
+
+def _ours(name: str) -> bool:
+    return name == _ROOT or name.startswith(_ROOT + ".")
+
+
+def _folders(modules: dict[str, ModuleType]) -> tuple[str, ...]:
+    # kwplug's own package folders (core/ is kwplug, plugins/ is kwplug.plugins).
+    found = []
+    for name in (_ROOT, f"{_ROOT}.plugins"):
+        for folder in getattr(modules.get(name), "__path__", None) or ():
+            found.append(os.path.realpath(folder) + os.sep)
+    return tuple(found)
+
+
+def _from_folders(module: Any, folders: tuple[str, ...]) -> bool:
+    origin = getattr(module, "__file__", None)
+    return isinstance(origin, str) and os.path.realpath(origin).startswith(folders)
+
+
+@contextlib.contextmanager
+def kwplug_kept() -> Iterator[list[str]]:
+    """Run the body (a plugin's import), then restore what it changed of kwplug.
+
+    Yields:
+        A list that, after the body, holds one line per change found and undone (empty: the
+        body changed nothing of kwplug).
+    """
+    modules = {n: m for n, m in list(sys.modules.items()) if _ours(n)}
+    bindings = {n: dict(vars(m)) for n, m in modules.items() if isinstance(m, ModuleType)}
+    classes = {
+        f"{name}.{cls.__qualname__}": (cls, dict(vars(cls)))
+        for name, namespace in bindings.items()
+        for cls in namespace.values()
+        if isinstance(cls, type) and cls.__module__ == name
+    }
+    folders = _folders(modules)
+    changes: list[str] = []
+    try:
+        yield changes
+    finally:
+        changes.extend(_restore(modules, bindings, folders))
+        changes.extend(_restore_classes(classes))
+
+
+def _restore_classes(classes: dict[str, tuple[type, dict[str, Any]]]) -> list[str]:
+    # A method replaced, deleted or added on a kwplug class (a new hookimpl on a built-in
+    # handler would change every Accelerator); dunder names Python adds (__slotnames__) pass.
+    changes = []
+    for qualname, (cls, before) in classes.items():
+        for attr, value in before.items():
+            now = cls.__dict__.get(attr, _MISSING)
+            if now is not value and attr not in _VOLATILE:
+                changes.append(f"{'deleted' if now is _MISSING else 'replaced'} {qualname}.{attr}")
+                type.__setattr__(cls, attr, value)
+        for attr in [a for a in cls.__dict__ if a not in before and not a.startswith("__")]:
+            changes.append(f"added {qualname}.{attr}")
+            type.__delattr__(cls, attr)
+    return changes
+
+
+def _restore(
+    modules: dict[str, ModuleType], bindings: dict[str, dict[str, Any]], folders: tuple[str, ...]
+) -> list[str]:
+    changes = []
+    for name, module in modules.items():
+        now = sys.modules.get(name, _MISSING)
+        if now is not module:
+            what = "removed" if now is _MISSING else "replaced"
+            changes.append(f"{what} sys.modules[{name!r}]")
+            sys.modules[name] = module
+    for name in [n for n in list(sys.modules) if _ours(n) and n not in modules]:
+        if not _from_folders(sys.modules[name], folders):  # kwplug.testing imported: fine
+            changes.append(f"added sys.modules[{name!r}] (not a module of kwplug's)")
+            del sys.modules[name]
+    for name, before in bindings.items():
+        namespace = vars(modules[name])
+        for attr, value in before.items():
+            if attr in _VOLATILE:
+                continue
+            now = namespace.get(attr, _MISSING)
+            if now is not value:
+                what = "deleted" if now is _MISSING else "replaced"
+                changes.append(f"{what} {name}.{attr}")
+                namespace[attr] = value
+    return changes

@@ -1,0 +1,324 @@
+"""``PartialState`` and ``AcceleratorState``: Accelerate's names for the state of the process,
+as public views of what torch already holds.
+
+Accelerate keeps a process-wide singleton; kwplug needs none. A ``PartialState()`` reads the
+ranks from the default ``torch.distributed`` process group, or from torchrun's variables
+(``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``) before one exists -- and, like Accelerate's, creates
+that group when torchrun started several processes and nobody has yet (through the plugins'
+``init_process_group`` hook, as an ``Accelerator`` does: gloo on the CPU). Build one as often as
+needed: each is a cheap view, before, alongside or after an ``Accelerator``.
+``AcceleratorState()`` adds ``mixed_precision`` and the ``distributed_type`` of the live
+``Accelerator`` (the most recent one still referenced; a weak reference, nothing is kept alive).
+
+``from accelerate.state import PartialState`` ports as ``from kwplug.state import
+PartialState`` (also ``from kwplug import PartialState``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from kwplug._environment import ProcessInfo, end_process_group, select_device
+from kwplug.accelerator import _ops, _process
+from kwplug.utils.dataclasses import DistributedType, default_distributed_type
+
+__all__ = ["AcceleratorState", "PartialState"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The most recently constructed Accelerator, weakly: what AcceleratorState() reports for
+# mixed_precision and distributed_type while it is alive (see register_accelerator).
+_live_accelerator: weakref.ref[Any] | None = None
+
+
+def register_accelerator(accelerator: Any) -> None:
+    """Record ``accelerator`` (weakly) as the one :class:`AcceleratorState` describes; called
+    by ``Accelerator.__init__``."""
+    global _live_accelerator
+    _live_accelerator = weakref.ref(accelerator)
+
+
+def _accelerator() -> Any:
+    return None if _live_accelerator is None else _live_accelerator()
+
+
+class PartialState(_process.Ranks):
+    """The process's place in the run, without an ``Accelerator`` (Accelerate's
+    ``PartialState``).
+
+    Args:
+        cpu: ``bool``, default ``False``: report (and, when it creates the process group,
+            use) the CPU even when an accelerator is available; ``ACCELERATE_USE_CPU=1`` in
+            the environment does the same, as in Accelerate.
+        kwargs: Accelerate passes process-group options here; kwplug takes them from an
+            ``InitProcessGroupKwargs`` handler, so any keyword is refused.
+
+    Attributes:
+        num_processes: ``int``, processes in the run (1 when not distributed).
+        process_index: ``int``, this process's global rank.
+        local_process_index: ``int``, its rank on its node.
+        device: ``torch.device`` this process trains on (``LOCAL_RANK`` modulo the device
+            count, made current).
+        distributed_type: :class:`~kwplug.utils.DistributedType` (``NO``, ``MULTI_CPU``,
+            ``MULTI_GPU``...).
+
+    Raises:
+        TypeError: ``cpu`` is not a ``bool``, or a keyword argument was given.
+        ValueError: a torchrun variable is malformed.
+        RuntimeError: ``WORLD_SIZE > 1``, no process group exists and no plugin created one.
+    """
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        if not isinstance(cpu, bool):
+            raise TypeError(f"PartialState: cpu must be a bool, got {type(cpu).__name__}")
+        if kwargs:
+            raise TypeError(
+                f"PartialState: unexpected keyword(s) {', '.join(map(repr, kwargs))}: kwplug "
+                "takes process-group options from InitProcessGroupKwargs (pass it to Accelerator)"
+            )
+        info = ProcessInfo.current()
+        self.device: torch.device = select_device(cpu, info.local_rank)
+        if info.world_size > 1 and not dist.is_initialized():
+            info = _init_process_group(info, self.device.type)
+        self.num_processes = info.world_size
+        self.process_index = info.rank
+        self.local_process_index = info.local_rank
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(distributed_type={self.distributed_type.value}, "
+            f"num_processes={self.num_processes}, process_index={self.process_index}, "
+            f"local_process_index={self.local_process_index}, device={self.device})"
+        )
+
+    @property
+    def initialized(self) -> bool:
+        """Always ``True``: a kwplug state exists once constructed (Accelerate's flag says
+        whether its singleton was set up)."""
+        return True
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """``NO`` in one process, else data parallelism's type for the device
+        (``MULTI_CPU``, ``MULTI_GPU``...)."""
+        return default_distributed_type(self.device.type, self.num_processes)
+
+    @property
+    def default_device(self) -> torch.device:
+        """:attr:`device`."""
+        return self.device
+
+    @property
+    def fork_launched(self) -> bool:
+        """``False``: kwplug's launchers start processes through torch's elastic agent."""
+        return False
+
+    def set_device(self) -> None:
+        """Make :attr:`device` the current device of its type (done at construction)."""
+        select_device(self.device.type == "cpu", self.local_process_index)
+
+    def wait_for_everyone(self) -> None:
+        """``torch.distributed.barrier()`` when distributed; nothing otherwise."""
+        _ops.wait_for_everyone(self.num_processes)
+
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """``with state.main_process_first():`` rank 0 runs the block, then the others."""
+        return _process.goes_first(self.is_main_process, self.num_processes)
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """As :meth:`main_process_first`, with local rank 0 of each node first."""
+        return _process.goes_first(self.is_local_main_process, self.num_processes)
+
+    def on_main_process(self, function: F | None = None) -> F:
+        """Decorator: ``function`` runs on global rank 0 only (elsewhere it returns ``None``).
+
+        Raises:
+            ValueError: no ``function``.
+        """
+        return _process.run_if(
+            _process.decorated(function, "on_main_process"), lambda: self.is_main_process
+        )
+
+    def on_local_main_process(self, function: F | None = None) -> F:
+        """Decorator: ``function`` runs on local rank 0 of each node only.
+
+        Raises:
+            ValueError: no ``function``.
+        """
+        return _process.run_if(
+            _process.decorated(function, "on_local_main_process"),
+            lambda: self.is_local_main_process,
+        )
+
+    def on_last_process(self, function: F) -> F:
+        """Decorator: ``function`` runs on the last global rank only."""
+        return _process.run_if(function, lambda: self.is_last_process)
+
+    def on_process(self, function: F | None = None, process_index: int | None = None) -> Any:
+        """Decorator: ``function`` runs on global rank ``process_index`` only
+        (``@state.on_process(process_index=1)``).
+
+        Raises:
+            ValueError: ``process_index`` is missing.
+        """
+        return self._on_rank("process_index", function, process_index)
+
+    def on_local_process(
+        self, function: F | None = None, local_process_index: int | None = None
+    ) -> Any:
+        """Decorator: ``function`` runs on local rank ``local_process_index`` of each node.
+
+        Raises:
+            ValueError: ``local_process_index`` is missing.
+        """
+        return self._on_rank("local_process_index", function, local_process_index)
+
+    def _on_rank(self, attribute: str, function: Any, index: int | None) -> Any:
+        if index is None:
+            raise ValueError(f"on_process needs {attribute}=<rank>")
+        if function is None:
+            return lambda f: self._on_rank(attribute, f, index)
+        return _process.run_if(
+            function, lambda: not self.use_distributed or getattr(self, attribute) == index
+        )
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """``with state.split_between_processes(inputs) as mine:`` this process's contiguous
+        part of a list, tuple, tensor or dict of them (as ``Accelerator``'s).
+
+        Raises:
+            ValueError: a dict's values have different lengths.
+        """
+        yield _process.split_between_processes(
+            inputs, self.num_processes, self.process_index, apply_padding
+        )
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on local rank 0 of each node (as Accelerate's ``PartialState.print``)."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """Destroy ``group``, or the default process group when ``None`` (after collecting
+        garbage, see :func:`kwplug._environment.end_process_group`); nothing when none
+        exists."""
+        if group is None:
+            end_process_group()
+        elif dist.is_initialized():
+            dist.destroy_process_group(group)
+
+
+class AcceleratorState(PartialState):
+    """:class:`PartialState` with what the live ``Accelerator`` decided (Accelerate's
+    ``AcceleratorState``).
+
+    Args:
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``None`` (default): the live
+            Accelerator's, else ``ACCELERATE_MIXED_PRECISION`` from the environment, else
+            ``"no"``.
+        cpu: as :class:`PartialState`'s.
+        kwargs: Accelerate's plugin keywords (``fsdp_plugin``, ``deepspeed_plugin``...) are
+            accepted when ``None``; anything else is refused.
+
+    Attributes:
+        mixed_precision: ``str``, see above.
+        distributed_type: the live Accelerator's (``FSDP`` with a sharding plugin), else
+            :class:`PartialState`'s.
+
+    Raises:
+        ValueError: ``mixed_precision`` is not one of the values above, or differs from the
+            live Accelerator's (as Accelerate: its state cannot be changed once set).
+        TypeError: as :class:`PartialState`; a plugin keyword other than ``None``.
+    """
+
+    def __init__(
+        self, mixed_precision: str | None = None, cpu: bool = False, **kwargs: Any
+    ) -> None:
+        from kwplug.accelerator import MIXED_PRECISION
+
+        unsupported = {
+            k: v
+            for k, v in kwargs.items()
+            if k not in _PLUGIN_KEYS or (v is not None and k != "_from_accelerator")
+        }
+        if unsupported:
+            raise TypeError(
+                f"AcceleratorState: unsupported keyword(s) {', '.join(map(repr, unsupported))} "
+                "(kwplug has no DeepSpeed, Megatron-LM, dynamo or tensor-parallel plugins)"
+            )
+        super().__init__(cpu)
+        live = _accelerator()
+        if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
+            raise ValueError(
+                f"AcceleratorState: mixed_precision must be one of "
+                f"{', '.join(map(repr, MIXED_PRECISION))} or None, got {mixed_precision!r}"
+            )
+        if live is not None:
+            if mixed_precision is not None and mixed_precision != live.mixed_precision:
+                raise ValueError(
+                    f"AcceleratorState(mixed_precision={mixed_precision!r}): the live "
+                    f"Accelerator uses {live.mixed_precision!r}; pass mixed_precision= to "
+                    "Accelerator() instead"
+                )
+            self.mixed_precision: str = live.mixed_precision
+        else:
+            chosen = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+            if chosen not in MIXED_PRECISION:
+                raise ValueError(
+                    f"ACCELERATE_MIXED_PRECISION must be one of "
+                    f"{', '.join(map(repr, MIXED_PRECISION))}, got {chosen!r}"
+                )
+            self.mixed_precision = chosen
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """The live Accelerator's ``distributed_type``, else :class:`PartialState`'s."""
+        live = _accelerator()
+        if live is not None:
+            return live.distributed_type  # type: ignore[no-any-return]
+        return super().distributed_type
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """The live Accelerator's ``is_fsdp2`` (``False`` without one)."""
+        live = _accelerator()
+        return bool(live is not None and live.is_fsdp2)
+
+    @property
+    def deepspeed_plugin(self) -> None:
+        """``None``: kwplug has no DeepSpeed integration."""
+        return None
+
+
+_PLUGIN_KEYS = frozenset(
+    {
+        "dynamo_plugin",
+        "deepspeed_plugin",
+        "fsdp_plugin",
+        "torch_tp_plugin",
+        "megatron_lm_plugin",
+        "parallelism_config",
+        "_from_accelerator",
+    }
+)
+
+
+def _init_process_group(info: ProcessInfo, device_type: str) -> ProcessInfo:
+    # What an Accelerator does at construction (kwplug.accelerator._setup): the plugins'
+    # init_process_group hook, through the same manager an Accelerator without handlers has.
+    from kwplug._plugins import discover
+    from kwplug._plugins._reuse import manager_for
+    from kwplug.accelerator import _setup
+
+    plugins = manager_for([], discover())
+    info = _setup._init_process_group(plugins, info, device_type)
+    _setup._destroy_process_group_at_exit()
+    return info

@@ -1,0 +1,149 @@
+"""Issue 18 item 4: a broken third-party plugin cannot remove mixed precision.
+
+Two plugins are pip-installed for real: one replaces ``sys.modules["kwplug"]`` and
+``sys.modules["kwplug.plugins"]`` at import, one monkeypatches the built-ins (a method of
+``AutocastKwargs``, the module binding of ``GradScalerKwargs``). The built-ins still load,
+``Accelerator(mixed_precision="fp16")`` trains in float16 with a gradient scaler, each broken
+plugin is named with what it changed, and a feature whose provider is blocked is an error.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from plugin_site import pip_install, run_json
+
+BROKEN = {
+    "clobber": textwrap.dedent("""
+        import sys, types
+        import kwplug
+        sys.modules["kwplug"] = types.ModuleType("kwplug")
+        sys.modules["kwplug.plugins"] = types.ModuleType("kwplug.plugins")
+    """),
+    "monkey": textwrap.dedent("""
+        import kwplug.plugins.autocast as autocast
+        import kwplug.plugins.grad_scaler as grad_scaler
+        autocast.AutocastKwargs.autocast = lambda self, device_type, mixed_precision: None
+        grad_scaler.GradScalerKwargs = None
+    """),
+}
+
+PYPROJECT = """
+[build-system]
+requires = ["setuptools>=69"]
+build-backend = "setuptools.build_meta"
+[project]
+name = "kwplug-{ep}"
+version = "0.0.1"
+[project.entry-points."kwplug.handlers"]
+{ep} = "kwplug_{ep}"
+[tool.setuptools]
+py-modules = ["kwplug_{ep}"]
+"""
+
+TRAIN = textwrap.dedent("""
+    import json, sys, warnings
+    import torch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import kwplug
+        accelerator = kwplug.Accelerator(mixed_precision="fp16", cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    before = model.weight.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    dtypes = []
+    for _ in range(3):
+        with accelerator.autocast():
+            out = model(torch.randn(8, 4))
+            dtypes.append(str(out.dtype))
+            loss = out.float().pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    scaler = accelerator.scaler
+    records = {r.name: r for r in kwplug.discover()}
+    print(json.dumps({
+        "dtypes": dtypes,
+        "scaler": type(scaler).__name__,
+        "scaler_enabled": bool(scaler is not None and scaler.is_enabled()),
+        "scale": None if scaler is None else float(scaler.get_scale()),
+        "trained": not torch.equal(before, accelerator.unwrap_model(model).weight.detach()),
+        "kwplug_intact": sys.modules["kwplug"] is kwplug and hasattr(kwplug, "Accelerator"),
+        "status": {n: r.status for n, r in records.items()},
+        "errors": {n: r.error for n, r in records.items() if r.error},
+        "warnings": [str(w.message) for w in caught],
+    }))
+""")
+
+REFUSE = textwrap.dedent("""
+    import json, sys
+    import kwplug
+    from kwplug.errors import MissingFeatureError
+    try:
+        kwplug.Accelerator(mixed_precision=sys.argv[1], cpu=True)
+        print(json.dumps({"raised": None}))
+    except MissingFeatureError as exc:
+        print(json.dumps({
+            "raised": type(exc).__name__, "message": str(exc), "feature": exc.feature,
+            "hook": exc.hook, "providers": exc.providers,
+        }))
+""")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("broken")
+    sources = []
+    for ep, source in BROKEN.items():
+        src = root / ep
+        src.mkdir()
+        (src / "pyproject.toml").write_text(PYPROJECT.format(ep=ep))
+        (src / f"kwplug_{ep}.py").write_text(source)
+        sources.append(src)
+    return pip_install(sources, root / "site")
+
+
+def test_broken_plugins_leave_fp16_training_with_a_scaler(site: Path) -> None:
+    result = run_json(TRAIN, site)
+    assert result["dtypes"] == ["torch.float16"] * 3
+    assert result["scaler"] == "GradScaler" and result["scaler_enabled"]
+    # the scaler is in use (it may have backed off from its 2**16 start on an overflow)
+    assert 0 < result["scale"] <= 65536.0 and result["trained"]
+    assert result["kwplug_intact"]
+    status = result["status"]
+    assert status["autocast"] == status["grad_scaler"] == status["ddp"] == "loaded"
+    assert status["clobber"] == status["monkey"] == "failed"
+    errors = result["errors"]
+    assert "replaced sys.modules['kwplug']" in errors["clobber"]
+    assert "replaced sys.modules['kwplug.plugins']" in errors["clobber"]
+    assert "replaced kwplug.plugins.autocast.AutocastKwargs.autocast" in errors["monkey"]
+    assert "replaced kwplug.plugins.grad_scaler.GradScalerKwargs" in errors["monkey"]
+    named = [w for w in result["warnings"] if "'clobber' (kwplug-clobber 0.0.1)" in w]
+    assert len(named) == 1 and "changed kwplug" in named[0]
+    assert any("'monkey' (kwplug-monkey 0.0.1)" in w for w in result["warnings"])
+
+
+@pytest.mark.parametrize(
+    ("blocked", "precision", "hook", "builtin"),
+    [
+        ("autocast", "bf16", "autocast", "autocast"),
+        ("grad_scaler", "fp16", "make_scaler", "grad_scaler"),
+    ],
+)
+def test_a_blocked_provider_is_an_error_not_float32(
+    site: Path, blocked: str, precision: str, hook: str, builtin: str
+) -> None:
+    code = REFUSE.replace("sys.argv[1]", repr(precision))
+    result = run_json(code, site, KWPLUG_BLOCK_PLUGINS=blocked)
+    assert result["raised"] == "MissingFeatureError"
+    assert result["feature"].startswith(f"mixed_precision={precision!r}")
+    assert result["hook"] == hook
+    message = result["message"]
+    assert f"built-in plugin '{builtin}' (kwplug " in message
+    assert "is blocked by KWPLUG_BLOCK_PLUGINS" in message
+    # the broken third-party plugins are listed too, with why they did not load
+    assert "third-party plugin 'clobber' (kwplug-clobber 0.0.1) failed to load" in message

@@ -1,0 +1,30 @@
+"""Runs a function through kwplug's notebook_launcher and debug_launcher, 2 processes each,
+and prints what they returned as JSON (tests/training/test_launchers.py)."""
+
+import json
+import sys
+
+import torch
+
+import kwplug
+from kwplug.launchers import debug_launcher, notebook_launcher
+
+
+def train(tag: str) -> list:
+    # What a notebook's training function does: its own Accelerator, a collective.
+    accelerator = kwplug.Accelerator()
+    total = accelerator.reduce(torch.tensor([accelerator.process_index + 1.0]), "sum")
+    state = kwplug.PartialState()
+    result = [tag, accelerator.process_index, state.num_processes, accelerator.device.type]
+    distributed = torch.distributed.is_initialized()
+    result += [float(total), torch.distributed.get_backend() if distributed else None]
+    accelerator.end_training()
+    return result
+
+
+if __name__ == "__main__":
+    port = sys.argv[1]
+    debug = debug_launcher(train, ("debug",))
+    notebook = notebook_launcher(lambda: train("notebook"), num_processes=2, use_port=port)
+    single = notebook_launcher(train, ("single",), num_processes=1)
+    print(json.dumps({"debug": debug, "notebook": notebook, "single": single}), flush=True)
