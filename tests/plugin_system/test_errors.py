@@ -23,6 +23,8 @@ BUILTIN_BASES = {
     errors.CheckpointError: ValueError,
     errors.DistributedRunError: AssertionError,
     errors.PluginLoadWarning: UserWarning,
+    errors.MissingFeatureError: RuntimeError,
+    errors.PluginCacheWarning: UserWarning,
 }
 
 
@@ -54,6 +56,9 @@ def test_old_import_paths_name_the_same_classes() -> None:
         errors.ConfigError("m", file="f.toml", key="handlers.ddp"),
         errors.PluginLoadError("m", plugins=(("p", "d"),)),
         errors.DistributedRunError("m", returncode=3),
+        errors.MissingFeatureError(
+            "m", feature="mixed_precision='bf16'", hook="autocast", providers=(("p", "why"),)
+        ),
     ],
     ids=lambda e: type(e).__name__,
 )
