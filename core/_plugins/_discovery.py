@@ -71,19 +71,24 @@ def _load(ep: EntryPointLike) -> PluginRecord:
         with guard as changes:
             obj, hooks = _import_and_check(ep, record)
         if changes:
-            raise ImportError("kwplug undid them")
+            raise _ChangedKwplug
     except KeyboardInterrupt:  # the user's Ctrl-C stops the program, as everywhere else
         raise
     except BaseException as exc:  # a plugin's SystemExit must not end the run
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, for tables
         if changes:
-            reason = f"its import changed kwplug ({', '.join(changes)}; undone): {reason}"
+            changed = f"its import changed kwplug ({', '.join(changes)}); kwplug undid the changes"
+            reason = changed if isinstance(exc, _ChangedKwplug) else f"{changed}; then {reason}"
         return attrs.evolve(
             record, error=reason, status="failed", load_seconds=time.perf_counter() - start
         )
     finally:
         watchdog.cancel()
     return attrs.evolve(record, obj=obj, hooks=hooks, load_seconds=time.perf_counter() - start)
+
+
+class _ChangedKwplug(Exception):
+    """A third-party import changed kwplug (the changes are listed by the guard)."""
 
 
 def _import_and_check(ep: EntryPointLike, record: PluginRecord) -> tuple[Any, tuple[str, ...]]:

@@ -31,7 +31,7 @@ _VOLATILE = frozenset({"__warningregistry__"})
 
 
 def _ours(name: str) -> bool:
-    return name == _ROOT or name.startswith(_ROOT + ".")
+    return name.startswith(_ROOT) and (len(name) == len(_ROOT) or name[len(_ROOT)] == ".")
 
 
 def _folders(modules: dict[str, ModuleType]) -> tuple[str, ...]:

@@ -24,6 +24,9 @@ BUILTIN_BASES = {
     errors.DistributedRunError: AssertionError,
     errors.RankMismatchError: RuntimeError,
     errors.PluginLoadWarning: UserWarning,
+    errors.MissingFeatureError: RuntimeError,
+    errors.PluginCacheWarning: UserWarning,
+    errors.TrackerConfigWarning: UserWarning,
 }
 
 
@@ -57,6 +60,9 @@ def test_old_import_paths_name_the_same_classes() -> None:
         errors.DistributedRunError("m", returncode=3),
         errors.RankMismatchError(
             "m", field="mixed_precision", values=('"bf16"', '"no"'), mismatches={"x": ("1", "2")}
+        ),
+        errors.MissingFeatureError(
+            "m", feature="mixed_precision='bf16'", hook="autocast", providers=(("p", "why"),)
         ),
     ],
     ids=lambda e: type(e).__name__,
