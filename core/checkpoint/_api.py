@@ -1,4 +1,4 @@
-"""``save_state`` / ``load_state`` / ``register_for_checkpointing`` of an ``Accelerator``."""
+"""``save_state`` / ``load_state`` of one checkpoint directory, given a ``CheckpointSources``."""
 
 from __future__ import annotations
 
@@ -22,28 +22,14 @@ from kwplug.checkpoint._stateful import ShardedModelState, ShardedOptimizerState
 from kwplug.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from kwplug.accelerator import Accelerator
+    from kwplug.checkpoint._sources import CheckpointSources
 
 
-def register_for_checkpointing(accelerator: Accelerator, *objects: Any) -> None:
-    """See ``Accelerator.register_for_checkpointing``."""
-    for obj in objects:
-        if not (
-            callable(getattr(obj, "state_dict", None))
-            and callable(getattr(obj, "load_state_dict", None))
-        ):
-            raise TypeError(
-                f"{type(obj).__qualname__} cannot be checkpointed: it needs state_dict() "
-                "and load_state_dict()"
-            )
-        accelerator._custom_objects.append(obj)
-
-
-def _share(accelerator: Accelerator, value: Any) -> list[Any]:
+def _share(sources: CheckpointSources, value: Any) -> list[Any]:
     # Every rank's value, so that all ranks raise together instead of hanging apart.
-    if accelerator.num_processes <= 1:
+    if sources.num_processes <= 1:
         return [value]
-    values: list[Any] = [None] * accelerator.num_processes
+    values: list[Any] = [None] * sources.num_processes
     torch.distributed.all_gather_object(values, value)
     return values
 
@@ -56,9 +42,10 @@ def _failed(exc: OSError | CheckpointError | TypeError, what: str) -> str:
     return str(exc)
 
 
-def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str]) -> Path:
-    """See ``Accelerator.save_state``."""
-    acc = accelerator
+def save_state(sources: CheckpointSources, output_dir: str | os.PathLike[str]) -> Path:
+    """Save ``sources`` into a new version folder of ``output_dir`` (every rank calls it);
+    see ``Accelerator.save_state``."""
+    acc = sources
     if not os.fspath(output_dir):
         raise ValueError("save_state needs a checkpoint directory, got an empty path")
     directory = Path(output_dir).absolute()
@@ -122,7 +109,7 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str]) -> 
     return directory
 
 
-def _read(acc: Accelerator, directory: Path, entries: list[plan.Entry]) -> dict[str, Any]:
+def _read(acc: CheckpointSources, directory: Path, entries: list[plan.Entry]) -> dict[str, Any]:
     """Verify and decode every file this rank needs: nothing is loaded yet."""
     records = manifest.read(directory)
     main = acc.is_main_process
@@ -145,7 +132,7 @@ def _read(acc: Accelerator, directory: Path, entries: list[plan.Entry]) -> dict[
     states: dict[str, Any] = {}
     for name, data in manifest.verified(directory, records, names).items():
         states[name] = codec.decode(data, directory / name)
-    modules = [acc.unwrap_model(m) for m in acc._models]
+    modules = acc.modules()
     for entry in entries:
         if entry.file in states:
             state, meta = states[entry.file]
@@ -168,9 +155,10 @@ def _check(path: Path, entry: plan.Entry, state: Any, meta: dict[str, str]) -> N
         target.check(state, path)
 
 
-def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str]) -> Path:
-    """See ``Accelerator.load_state``."""
-    acc = accelerator
+def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) -> Path:
+    """Verify the newest complete version of ``input_dir``, then load it into ``sources``
+    (every rank calls it); see ``Accelerator.load_state``."""
+    acc = sources
     if not os.fspath(input_dir):
         raise ValueError("load_state needs a checkpoint directory, got an empty path")
     directory = commit.resolve_checkpoint(input_dir)

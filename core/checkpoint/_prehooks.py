@@ -36,8 +36,8 @@ from kwplug.checkpoint._checks import qualified_name
 from kwplug.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from kwplug.accelerator import Accelerator
     from kwplug.checkpoint._plan import Entry
+    from kwplug.checkpoint._sources import CheckpointSources
 
 SaveHook = Callable[[list[torch.nn.Module], list[dict[str, Any]], str], None]
 LoadHook = Callable[[list[torch.nn.Module], str], None]
@@ -74,14 +74,14 @@ class _Weights:
         raise NotImplementedError("saved weights are loaded into their model")  # never called
 
 
-def _refuse_sharded(acc: Accelerator, what: str) -> None:
+def _refuse_sharded(acc: CheckpointSources, what: str) -> None:
     # A sharded model's state dict is gathered collectively: a hook that drops it on some
     # ranks (diffusers' pop on the main process only) would leave the others waiting.
-    for model in acc._models:
-        if sharded.is_sharded(acc.unwrap_model(model)):
+    for module in acc.modules():
+        if sharded.is_sharded(module):
             raise NotImplementedError(
                 f"register_{what}_state_pre_hook with a sharded model "
-                f"({type(acc.unwrap_model(model)).__qualname__}, DTensor parameters) is not "
+                f"({type(module).__qualname__}, DTensor parameters) is not "
                 "supported: remove the hook's handle, or save that model with save_model"
             )
 
@@ -90,20 +90,22 @@ def _is_model_entry(entry: Entry, count: int) -> bool:
     return entry.file in {layout.model_file(i) for i in range(count)}
 
 
-def saving(acc: Accelerator, entries: list[Entry], staging: Path) -> tuple[list[Entry], str | None]:
+def saving(
+    acc: CheckpointSources, entries: list[Entry], staging: Path
+) -> tuple[list[Entry], str | None]:
     """Run the save hooks (every rank) and replace the model entries by the weights they
     left; also an error message when a hook wrote a name kwplug writes itself."""
-    hooks = acc._state_pre_hooks.save
+    hooks = acc.pre_hooks.save
     if not hooks:
         return entries, None
     from kwplug.checkpoint._plan import Entry
 
     _refuse_sharded(acc, "save")
-    modules = [acc.unwrap_model(m) for m in acc._models]
+    modules = acc.modules()
     weights: list[dict[str, Any]] = [m.state_dict() for m in modules]
     kinds = {id(w): qualified_name(m) for w, m in zip(weights, modules, strict=True)}
     for hook in list(hooks.values()):
-        hook(list(acc._models), weights, str(staging))
+        hook(list(acc.models), weights, str(staging))
     kept = [
         Entry(layout.model_file(j), _Weights(w), "main", kinds.get(id(w), qualified_name(w)))
         for j, w in enumerate(weights)
@@ -119,7 +121,7 @@ def saving(acc: Accelerator, entries: list[Entry], staging: Path) -> tuple[list[
 
 
 def with_written(
-    acc: Accelerator, staging: Path, records: dict[str, manifest.Record]
+    acc: CheckpointSources, staging: Path, records: dict[str, manifest.Record]
 ) -> dict[str, manifest.Record]:
     """``records`` and a record for each file the save hooks wrote into ``staging``.
 
@@ -127,7 +129,7 @@ def with_written(
         CheckpointError: a hook wrote something else than regular files in folders (a link,
             a FIFO, an empty folder), or a name kwplug writes itself.
     """
-    if not acc._state_pre_hooks.save:
+    if not acc.pre_hooks.save:
         return records
     out = dict(records)
     for name in sorted(manifest.files(staging) - records.keys()):
@@ -141,13 +143,13 @@ def with_written(
     return out
 
 
-def abort(acc: Accelerator, staging: Path) -> None:
+def abort(acc: CheckpointSources, staging: Path) -> None:
     """Remove the version folder of a failed save; with save hooks, also what they wrote
     there (the folder is this save's: kwplug created it moments ago)."""
     from kwplug.checkpoint import _commit as commit
 
     number = layout.version_number(staging.name)
-    if not acc._state_pre_hooks.save or number is None or not staging.is_dir():
+    if not acc.pre_hooks.save or number is None or not staging.is_dir():
         commit.abort(staging)
         return
     trash = staging.with_name(layout.trash_name(number, os.getpid()))
@@ -155,14 +157,14 @@ def abort(acc: Accelerator, staging: Path) -> None:
     shutil.rmtree(trash)
 
 
-def loading(acc: Accelerator, entries: list[Entry], directory: Path) -> list[Entry]:
+def loading(acc: CheckpointSources, entries: list[Entry], directory: Path) -> list[Entry]:
     """Verify every file of ``directory`` (also those the save hooks wrote), then run the load
     hooks (every rank) and replace the model entries by the models they left, in order.
 
     Raises:
         CheckpointError: a file is missing, not listed, truncated or altered.
     """
-    hooks = acc._state_pre_hooks.load
+    hooks = acc.pre_hooks.load
     if not hooks:
         return entries
     from kwplug.checkpoint._plan import Entry
@@ -171,13 +173,13 @@ def loading(acc: Accelerator, entries: list[Entry], directory: Path) -> list[Ent
     records = manifest.read(directory)
     for name in sorted(records):  # one at a time: never the whole checkpoint in memory
         manifest.verified(directory, records, [name])
-    models = list(acc._models)
+    models = list(acc.models)
     count = len(models)
     for hook in list(hooks.values()):
         hook(models, str(directory))
     kept = []
     for j, model in enumerate(models):
-        module = acc.unwrap_model(model)
+        module = acc.unwrap(model)
         kept.append(Entry(layout.model_file(j), module, "main", qualified_name(module)))
     return kept + [e for e in entries if not _is_model_entry(e, count)]
 
