@@ -16,7 +16,6 @@ On load, once every file of the version is verified, every rank calls each hook 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections import OrderedDict
@@ -28,9 +27,9 @@ import attrs
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _manifest as manifest
+from kwplug.checkpoint import _reader as reader
 from kwplug.checkpoint import _sharded as sharded
 from kwplug.checkpoint._checks import qualified_name
 from kwplug.errors import CheckpointError
@@ -138,8 +137,7 @@ def with_written(
                 f"a save_state pre-hook wrote {staging / name}, a name kwplug writes itself",
                 staging / name,
             )
-        data = manifest.read_regular(staging / name)  # refuses links, FIFOs, empty folders
-        out[name] = (len(data), codec.digest(data))
+        out[name] = reader.record(staging / name)  # refuses links, FIFOs, empty folders
     return out
 
 
@@ -171,8 +169,8 @@ def loading(acc: CheckpointSources, entries: list[Entry], directory: Path) -> li
 
     _refuse_sharded(acc, "load")
     records = manifest.read(directory)
-    for name in sorted(records):  # one at a time: never the whole checkpoint in memory
-        manifest.verified(directory, records, [name])
+    for name in sorted(records):  # in chunks: never a whole file in memory
+        reader.verify(directory / name, records[name])
     models = list(acc.models)
     count = len(models)
     for hook in list(hooks.values()):
@@ -186,10 +184,10 @@ def loading(acc: CheckpointSources, entries: list[Entry], directory: Path) -> li
 
 def listed(folder: Path) -> set[str]:
     """The files ``folder``'s manifest lists (empty when it has none or it is unreadable)."""
-    try:  # read_regular: a FIFO planted as the manifest is never opened
-        body = json.loads(manifest.read_regular(folder / layout.MANIFEST, limit=1 << 24))
-        return {str(name) for name in body["files"]}
-    except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+    path = folder / layout.MANIFEST
+    try:  # read_small: a FIFO planted as the manifest is never read
+        return set(manifest.parse(reader.read_small(path, limit=manifest.LIMIT), path))
+    except (CheckpointError, OSError):
         return set()
 
 

@@ -91,11 +91,6 @@ class CheckpointSources:
         """The prepared models, unwrapped (what their ``state_dict`` is taken of)."""
         return [self.unwrap(model) for model in self.models]
 
-    def wait_for_everyone(self) -> None:
-        """``torch.distributed.barrier()`` when distributed; nothing otherwise."""
-        if self.num_processes > 1:
-            torch.distributed.barrier()
-
 
 def register(registry: list[Any], *objects: Any) -> None:
     """Append ``objects`` to ``registry`` (an Accelerator's registered objects), each checked.
