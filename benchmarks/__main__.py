@@ -2,7 +2,9 @@
 
 ``python -m benchmarks bandwidth [--rate 200mbit] ...`` runs the wire-bound DDP benchmark
 (:mod:`benchmarks.bandwidth`, needs root; not part of the default run) and
-``python -m benchmarks startup`` the start-up one alone (:mod:`benchmarks.construct_import`).
+``python -m benchmarks startup`` the start-up one alone (:mod:`benchmarks.construct_import`);
+``python -m benchmarks checkpoint`` the checkpoint memory and time one
+(:mod:`benchmarks.checkpoint`, gigabytes written; not part of the default run either).
 
 Each benchmark runs in a fresh interpreter (``python -m benchmarks.<name> --json <tmp>``, one
 OpenMP thread), prints its own table as it finishes, and the combined three-way table and the
@@ -60,7 +62,11 @@ def run_one(name: str, quick: bool, no_accelerate: bool, tmp: str) -> dict[str, 
 
 
 #: ``python -m benchmarks NAME ...`` -> the module whose ``main(argv)`` runs it.
-SUBCOMMANDS = {"bandwidth": "benchmarks.bandwidth", "startup": "benchmarks.construct_import"}
+SUBCOMMANDS = {
+    "bandwidth": "benchmarks.bandwidth",
+    "startup": "benchmarks.construct_import",
+    "checkpoint": "benchmarks.checkpoint",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

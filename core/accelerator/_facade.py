@@ -10,7 +10,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-from torch.utils.data import DataLoader
 
 from kwplug._environment import end_process_group
 from kwplug._plugins import Answer, KwplugPluginManager
@@ -27,7 +26,6 @@ from kwplug.accelerator._setup import _Setup, resolve
 from kwplug.accelerator._tracking import LogWith, _Trackers
 from kwplug.comm_hooks import CommHook
 from kwplug.handler import KwargsHandler
-from kwplug.optimizer import AcceleratedOptimizer
 from kwplug.utils.dataclasses import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
@@ -224,12 +222,12 @@ class Accelerator(
         """
         if autocast_handler is None:
             return self._setup.autocast_factory()
-        factory = self._call_with(
-            "autocast",
+        factory = self.plugin_manager.call_with(
             autocast_handler,
+            "autocast",
             device_type=self.device_type,
             mixed_precision=self.mixed_precision,
-        )
+        ).result
         return (factory or contextlib.nullcontext)()
 
     # -- distributed helpers (kwplug.accelerator._ops) ----------------------------------------
@@ -278,9 +276,9 @@ class Accelerator(
             TypeError: ``profile_handler`` is not a handler instance.
             RuntimeError: no plugin built a profiler.
         """
-        profiler = self._call_with(
-            "make_profiler", profile_handler, device_type=self.device_type, rank=self.process_index
-        )
+        profiler = self.plugin_manager.call_with(
+            profile_handler, "make_profiler", device_type=self.device_type, rank=self.process_index
+        ).result
         if profiler is None:
             raise RuntimeError("no plugin answered make_profiler (is ProfileKwargs blocked?)")
         with profiler as prof:
@@ -304,36 +302,6 @@ class Accelerator(
 
     # -- gradient accumulation: accumulate, no_sync, sync_gradients, backward, clip_grad_norm_,
     # prepare_scheduler, project_dir... live in the base class (._accumulation).
-
-    # -- internals: the prepared objects, and hook calls through the setup's plugins ----------
-
-    @property
-    def _models(self) -> list[torch.nn.Module]:
-        return self._prepared.models
-
-    @property
-    def _optimizers(self) -> list[AcceleratedOptimizer]:
-        return self._prepared.optimizers
-
-    @property
-    def _scaled_optimizers(self) -> list[AcceleratedOptimizer]:
-        return self._prepared.scaled_optimizers
-
-    @property
-    def _dataloaders(self) -> list[DataLoader[Any]]:
-        return self._prepared.dataloaders
-
-    @property
-    def _custom_objects(self) -> list[Any]:
-        return self._prepared.custom_objects
-
-    def _call_each(
-        self, hook_name: str, *, only: Any = None, **kwargs: Any
-    ) -> list[tuple[str, Any]]:
-        return self.plugin_manager.call_each(hook_name, only=only, **kwargs)
-
-    def _call_with(self, hook_name: str, handler: KwargsHandler | None, **kwargs: Any) -> Any:
-        return self.plugin_manager.call_with(handler, hook_name, **kwargs).result
 
     def __repr__(self) -> str:
         return (

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from kwplug import checkpoint
 from kwplug._plugins import KwplugPluginManager
 from kwplug.accelerator import _keywords, _saving
 from kwplug.accelerator._tracking import _Trackers
 from kwplug.checkpoint import _naming
 from kwplug.checkpoint import _prehooks as prehooks
+from kwplug.checkpoint import _sources as sources
 from kwplug.tracking import GeneralTracker
 from kwplug.utils.dataclasses import ProjectConfiguration
 
@@ -172,7 +172,40 @@ class _Checkpoints:
                 ``TypeError``) an object lacks ``state_dict`` or ``load_state_dict``; the
                 message lists each one by index, and none of ``objects`` is registered.
         """
-        checkpoint.register_for_checkpointing(cast("Accelerator", self), *objects)
+        sources.register(cast("Accelerator", self)._prepared.custom_objects, *objects)
+
+    def _checkpoint_sources(self) -> sources.CheckpointSources:
+        # What one save_state/load_state reads: kwplug.checkpoint never sees the Accelerator.
+        acc = cast("Accelerator", self)
+        prepared, plugins = acc._prepared, acc.plugin_manager
+
+        def handler_state() -> dict[str, Any]:
+            # By registered plugin name, so that each plugin gets its own state back.
+            answers = plugins.call_each("handler_state")
+            return {name: state for name, state in answers if state is not None}
+
+        def load_handler_state(saved: Mapping[str, Any]) -> None:
+            for name, state in saved.items():
+                plugins.call_each("load_handler_state", only=name.__eq__, state=state)
+
+        return sources.CheckpointSources(
+            models=tuple(prepared.models),
+            optimizers=tuple(prepared.optimizers),
+            dataloaders=tuple(prepared.dataloaders),
+            custom_objects=tuple(prepared.custom_objects),
+            scaler=acc.scaler,
+            scaler_updates=prepared.scaler_updates,
+            gradient_state=acc.gradient_state,
+            pre_hooks=self._state_pre_hooks,
+            process_index=acc.process_index,
+            num_processes=acc.num_processes,
+            device=acc.device,
+            # Checkpoints hold the module's own keys, never torch.compile's `_orig_mod.`.
+            unwrap=functools.partial(acc.unwrap_model, keep_torch_compile=False),
+            handler_state=handler_state,
+            load_handler_state=load_handler_state,
+            project_configuration=acc.project_configuration,
+        )
 
     project_configuration: ProjectConfiguration
 
@@ -242,7 +275,7 @@ class _Checkpoints:
                 with parameters outside that model.
         """
         _keywords.check_save_state(safe_serialization, save_model_func_kwargs)
-        return _naming.save(cast("Accelerator", self), output_dir)
+        return _naming.save(self._checkpoint_sources(), output_dir)
 
     def load_state(
         self,
@@ -298,4 +331,4 @@ class _Checkpoints:
                 model's parameters together with parameters outside that model.
         """
         _keywords.check_load_state(load_kwargs, load_model_func_kwargs)
-        return _naming.load(cast("Accelerator", self), input_dir)
+        return _naming.load(self._checkpoint_sources(), input_dir)

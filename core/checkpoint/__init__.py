@@ -1,6 +1,10 @@
 """Trustworthy, resumable checkpoints: ``Accelerator.save_state`` / ``load_state``.
 
-One module per concern:
+The package never sees the ``Accelerator``: each call is given one frozen
+:class:`CheckpointSources` (models, optimizers, loaders, registered objects, ranks...), built
+by the Accelerator (:mod:`~kwplug.checkpoint._sources`). One module per concern:
+
+- :mod:`~kwplug.checkpoint._sources`: :class:`CheckpointSources`, what a call is given;
 
 - :mod:`~kwplug.checkpoint._layout`: every name kwplug writes (the layout, described there);
 - :mod:`~kwplug.checkpoint._plan`: what a checkpoint holds (one ``Stateful`` per file);
@@ -15,7 +19,7 @@ One module per concern:
 - :mod:`~kwplug.checkpoint._resize`: resuming on another number of processes;
 - :mod:`~kwplug.checkpoint._rng`: RNG states; :mod:`~kwplug.checkpoint._sharded`: ``DTensor``
   models and their optimizers;
-- :mod:`~kwplug.checkpoint._api`: the ``Accelerator`` methods;
+- :mod:`~kwplug.checkpoint._api`: saving and loading one checkpoint directory;
 - :mod:`~kwplug.checkpoint._prehooks`: ``register_save_state_pre_hook`` and
   ``register_load_state_pre_hook`` (user code that saves and loads some models itself);
 - :mod:`~kwplug.checkpoint._naming`: automatic checkpoint naming (``checkpoint_<i>``,
@@ -24,9 +28,10 @@ One module per concern:
 
 from __future__ import annotations
 
-from kwplug.checkpoint._api import load_state, register_for_checkpointing, save_state
+from kwplug.checkpoint._api import load_state, save_state
 from kwplug.checkpoint._commit import STEPS, is_complete, resolve_checkpoint
 from kwplug.checkpoint._layout import MARKER
+from kwplug.checkpoint._sources import CheckpointSources
 from kwplug.checkpoint._stateful import attach_state, attached_states
 from kwplug.errors import CheckpointError
 
@@ -34,11 +39,11 @@ __all__ = [
     "MARKER",
     "STEPS",
     "CheckpointError",
+    "CheckpointSources",
     "attach_state",
     "attached_states",
     "is_complete",
     "load_state",
-    "register_for_checkpointing",
     "resolve_checkpoint",
     "save_state",
 ]

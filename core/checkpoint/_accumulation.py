@@ -22,7 +22,7 @@ from kwplug.checkpoint import _sharded as sharded
 from kwplug.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from kwplug.accelerator._accumulation import GradientState
+    from kwplug.checkpoint._sources import GradientPosition
     from kwplug.optimizer import AcceleratedOptimizer, ScalerUpdates
 
 
@@ -42,7 +42,7 @@ class PendingAccumulation:
         self,
         *,
         world_size: int,
-        gradient_state: GradientState,
+        gradient_state: GradientPosition,
         modules: Sequence[torch.nn.Module],
         optimizers: Sequence[AcceleratedOptimizer],
         scaler_updates: ScalerUpdates | None,

@@ -1,4 +1,4 @@
-"""``save_state`` / ``load_state`` / ``register_for_checkpointing`` of an ``Accelerator``."""
+"""``save_state`` / ``load_state`` of one checkpoint directory, given a ``CheckpointSources``."""
 
 from __future__ import annotations
 
@@ -17,41 +17,21 @@ from kwplug.checkpoint import _lock as lock
 from kwplug.checkpoint import _manifest as manifest
 from kwplug.checkpoint import _plan as plan
 from kwplug.checkpoint import _prehooks as prehooks
+from kwplug.checkpoint import _reader as reader
 from kwplug.checkpoint import _resize as resize
+from kwplug.checkpoint._accumulation import PendingAccumulation
 from kwplug.checkpoint._stateful import ShardedModelState, ShardedOptimizerState
-from kwplug.errors import CheckpointError, NotCheckpointableError
+from kwplug.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from kwplug.accelerator import Accelerator
+    from kwplug.checkpoint._sources import CheckpointSources
 
 
-def register_for_checkpointing(accelerator: Accelerator, *objects: Any) -> None:
-    """See ``Accelerator.register_for_checkpointing``."""
-    invalid = [
-        i
-        for i, obj in enumerate(objects)
-        if not (
-            callable(getattr(obj, "state_dict", None))
-            and callable(getattr(obj, "load_state_dict", None))
-        )
-    ]
-    if invalid:
-        listed = "".join(
-            f"\n\t- Item at index {i}, `{type(objects[i]).__qualname__}`" for i in invalid
-        )
-        raise NotCheckpointableError(
-            "All `objects` must include a `state_dict` and `load_state_dict` function to be "
-            f"stored. The following inputs are invalid:{listed}",
-            indices=tuple(invalid),
-        )
-    accelerator._custom_objects.extend(objects)
-
-
-def _share(accelerator: Accelerator, value: Any) -> list[Any]:
+def _share(sources: CheckpointSources, value: Any) -> list[Any]:
     # Every rank's value, so that all ranks raise together instead of hanging apart.
-    if accelerator.num_processes <= 1:
+    if sources.num_processes <= 1:
         return [value]
-    values: list[Any] = [None] * accelerator.num_processes
+    values: list[Any] = [None] * sources.num_processes
     torch.distributed.all_gather_object(values, value)
     return values
 
@@ -64,9 +44,10 @@ def _failed(exc: OSError | CheckpointError | TypeError, what: str) -> str:
     return str(exc)
 
 
-def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str]) -> Path:
-    """See ``Accelerator.save_state``."""
-    acc = accelerator
+def save_state(sources: CheckpointSources, output_dir: str | os.PathLike[str]) -> Path:
+    """Save ``sources`` into a new version folder of ``output_dir`` (every rank calls it);
+    see ``Accelerator.save_state``."""
+    acc = sources
     if not os.fspath(output_dir):
         raise ValueError("save_state needs a checkpoint directory, got an empty path")
     directory = Path(output_dir).absolute()
@@ -102,10 +83,9 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str]) -> 
                 continue
             if entry.sparse and not state:
                 continue
-            try:
-                data = codec.encode(state, {"class": entry.kind})
-                codec.write_file(staging / entry.file, data)
-                records[entry.file] = (len(data), codec.digest(data))
+            try:  # written tensor by tensor, then hashed in chunks
+                file = staging / entry.file
+                records[entry.file] = codec.write_state(file, state, {"class": entry.kind})
             except (OSError, TypeError) as exc:
                 error = f"{_failed(exc, f'writing {staging / entry.file}')}"
         shared = _share(acc, (records, error))
@@ -130,8 +110,23 @@ def save_state(accelerator: Accelerator, output_dir: str | os.PathLike[str]) -> 
     return directory
 
 
-def _read(acc: Accelerator, directory: Path, entries: list[plan.Entry]) -> dict[str, Any]:
-    """Verify and decode every file this rank needs: nothing is loaded yet."""
+#: In place of a state in what :func:`_read` returns: decoded (and verified again) when loaded.
+LATER = object()
+
+
+def _later(entry: plan.Entry) -> bool:
+    # Models, optimizers, gradients: checked from their shapes, decoded one at a time when
+    # loaded (read on rank 0 only, collective entries are decoded at once: every rank waits).
+    kinds = (torch.nn.Module, torch.optim.Optimizer, PendingAccumulation)
+    return entry.scope != "collective" and isinstance(entry.target, kinds)
+
+
+def _read(
+    acc: CheckpointSources, directory: Path, entries: list[plan.Entry]
+) -> tuple[dict[str, Any], dict[str, manifest.Record]]:
+    """Verify every file this rank needs and check it against its object: nothing is loaded
+    yet. Returns the decoded states (:data:`LATER` for those decoded when loaded), and the
+    manifest's records."""
     records = manifest.read(directory)
     main = acc.is_main_process
     wanted = {e.file for e in entries if e.scope != "collective" or main}
@@ -149,17 +144,30 @@ def _read(acc: Accelerator, directory: Path, entries: list[plan.Entry]) -> dict[
             raise CheckpointError(
                 f"{directory / entry.file} is missing from the checkpoint", directory / entry.file
             )
+    later = {e.file for e in entries if _later(e)}
     names = sorted(filter(layout.is_own_file, records) if main else wanted & records.keys())
     states: dict[str, Any] = {}
-    for name, data in manifest.verified(directory, records, names).items():
-        states[name] = codec.decode(data, directory / name)
-    modules = [acc.unwrap_model(m, keep_torch_compile=False) for m in acc._models]
+    for name in names:  # one file at a time; shapes only for those decoded when loaded
+        lazy = name in later or name not in wanted
+        states[name] = reader.read_state(directory / name, records[name], shapes_only=lazy)
+    modules = acc.modules()
     for entry in entries:
         if entry.file in states:
             state, meta = states[entry.file]
             states[entry.file] = (resize.adapt_optimizer(entry.target, state, modules), meta)
             _check(directory / entry.file, entry, *states[entry.file])
-    return {e.file: states[e.file][0] for e in entries if e.file in states and e.file in wanted}
+    kept = {e.file for e in entries if e.file in states and e.file in wanted}
+    return {f: LATER if f in later else states[f][0] for f in kept}, records
+
+
+def _decoded(
+    acc: CheckpointSources, directory: Path, records: dict[str, manifest.Record], entry: plan.Entry
+) -> Any:
+    # The state of a LATER entry, decoded from its file and verified over the decoded bytes.
+    state, meta = reader.read_state(directory / entry.file, records[entry.file])
+    state = resize.adapt_optimizer(entry.target, state, acc.modules())
+    _check(directory / entry.file, entry, state, meta)
+    return state
 
 
 def _check(path: Path, entry: plan.Entry, state: Any, meta: dict[str, str]) -> None:
@@ -176,9 +184,10 @@ def _check(path: Path, entry: plan.Entry, state: Any, meta: dict[str, str]) -> N
         target.check(state, path)
 
 
-def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str]) -> Path:
-    """See ``Accelerator.load_state``."""
-    acc = accelerator
+def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) -> Path:
+    """Verify the newest complete version of ``input_dir``, then load it into ``sources``
+    (every rank calls it); see ``Accelerator.load_state``."""
+    acc = sources
     if not os.fspath(input_dir):
         raise ValueError("load_state needs a checkpoint directory, got an empty path")
     directory = commit.resolve_checkpoint(input_dir)
@@ -199,7 +208,7 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str]) -> P
     try:  # saved by another number of processes: every rank reads rank 0's file
         entries = resize.rank_entries(entries, manifest.read(directory), acc.num_processes)
         entries = prehooks.loading(acc, entries, directory)  # the user's load hooks
-        states = _read(acc, directory, entries)
+        states, records = _read(acc, directory, entries)
     except CheckpointError as exc:
         error = exc
     others = [e for e in _share(acc, None if error is None else str(error)) if e is not None]
@@ -208,7 +217,21 @@ def load_state(accelerator: Accelerator, input_dir: str | os.PathLike[str]) -> P
     if others:
         raise CheckpointError(f"another rank refused {directory}: {others[0]}", directory)
     for entry in entries:  # verified on every rank: from here on, load
-        if entry.file in states or entry.scope == "collective" or entry.sparse:
-            entry.target.load_state_dict(states.get(entry.file, {}))
-    acc.wait_for_everyone()
+        if not (entry.file in states or entry.scope == "collective" or entry.sparse):
+            continue
+        if error is not None and entry.scope != "collective":
+            continue  # after a refusal, only what every rank takes part in
+        state = states.get(entry.file, {})
+        try:  # a file changed in place since it was verified is refused, never loaded
+            state = _decoded(acc, directory, records, entry) if state is LATER else state
+        except CheckpointError as exc:
+            error = exc
+            continue
+        entry.target.load_state_dict(state)
+        del state  # one file's tensors at a time
+    others = [e for e in _share(acc, None if error is None else str(error)) if e is not None]
+    if error is not None:
+        raise error
+    if others:
+        raise CheckpointError(f"another rank failed to load {directory}: {others[0]}", directory)
     return directory

@@ -17,7 +17,7 @@ def _shapes(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def check_model(path: Path, saved: Any, module: torch.nn.Module) -> None:
-    """``saved`` has exactly ``module``'s state dict keys, with the same shapes."""
+    """``saved`` has exactly ``module``'s state dict keys, with the same shapes and dtypes."""
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path} does not hold a model state dict", path)
     expected, got = _shapes(module.state_dict()), _shapes(saved)
@@ -33,6 +33,13 @@ def check_model(path: Path, saved: Any, module: torch.nn.Module) -> None:
         if got[key] != shape:
             raise CheckpointError(
                 f"{path}: {key!r} has shape {list(got[key])}, the model's has {list(shape)}",
+                path,
+            )
+    live = module.state_dict()
+    for key in expected:  # load_state_dict would cast silently: a bf16 file into fp32...
+        if saved[key].dtype != live[key].dtype:
+            raise CheckpointError(
+                f"{path}: {key!r} is {saved[key].dtype}, the model's is {live[key].dtype}",
                 path,
             )
 

@@ -1,5 +1,8 @@
 """State files without pickles: nested state as one safetensors file.
 
+Written by ``safetensors.torch.save_file`` straight from the tensors (the file is never built
+in memory), then fsynced and hashed in chunks; read back by :mod:`kwplug.checkpoint._reader`.
+
 A state (``state_dict()`` of a model, optimizer, scheduler, RNG...) is stored as a
 safetensors file: its tensors under their key path (a model's state dict is a plain
 safetensors state dict, readable by ``safetensors.torch.load_file``), everything else as JSON
@@ -10,20 +13,50 @@ refused when saving. Reading never unpickles, so no file can run code.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import safetensors.torch
 import torch
 
-from kwplug.errors import CheckpointError
-
 META_KEY = "kwplug"
 _SCALARS = (type(None), bool, int, float, str)
+#: safetensors' dtype names (its format's ``dtype`` field) and the torch dtypes they denote.
+DTYPES: dict[str, torch.dtype] = {
+    name: dtype
+    for name, dtype in {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "C64": torch.complex64,
+        "U64": getattr(torch, "uint64", None),
+        "U32": getattr(torch, "uint32", None),
+        "U16": getattr(torch, "uint16", None),
+        "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+        "F8_E5M2": getattr(torch, "float8_e5m2", None),
+        "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None),
+        "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
+    }.items()
+    if dtype is not None
+}
+#: Bytes read at a time when hashing a file.
+CHUNK = 1 << 20
+# safetensors reports a failed write as "I/O error: ... (os error 28)" (Rust's io::Error).
+_OS_ERROR = re.compile(r"os error (\d+)|code: (\d+)")
 
 
 class _Encoder:
@@ -84,48 +117,72 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def from_structure(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The state that ``value`` (the JSON structure of a state file) and its ``tensors``
+    describe. With ``meta`` tensors (shapes only) NumPy values stay tensors and random
+    states their decoded fields: nothing reads their data."""
     if isinstance(value, list):
-        return [_decode(v, tensors) for v in value]
+        return [from_structure(v, tensors) for v in value]
     if not isinstance(value, dict):
         return value
     if "$t" in value:
         return tensors[value["$t"]]
     if "$d" in value:
-        return {_decode(k, tensors): _decode(v, tensors) for k, v in value["$d"]}
+        return {from_structure(k, tensors): from_structure(v, tensors) for k, v in value["$d"]}
     if "$tuple" in value:
-        return tuple(_decode(v, tensors) for v in value["$tuple"])
+        return tuple(from_structure(v, tensors) for v in value["$tuple"])
     if "$np" in value:
         import numpy as np
 
-        return tensors[value["$np"]].numpy().astype(np.dtype(value["dtype"]))
+        tensor = tensors[value["$np"]]
+        return tensor if tensor.is_meta else tensor.numpy().astype(np.dtype(value["dtype"]))
     if "$np_random" in value:
         import numpy as np
 
+        state = from_structure(value["$np_random"], tensors)
+        if any(isinstance(v, torch.Tensor) and v.is_meta for v in state):
+            return state
         rng = np.random.RandomState()
-        rng.set_state(_decode(value["$np_random"], tensors))
+        rng.set_state(state)
         return rng
-    return {k: _decode(v, tensors) for k, v in value.items()}
+    return {k: from_structure(v, tensors) for k, v in value.items()}
 
 
-def encode(state: Any, extra: dict[str, str] | None = None) -> bytes:
-    """The bytes of the safetensors file holding ``state``.
+def write_state(path: Path, state: Any, extra: dict[str, str] | None = None) -> tuple[int, str]:
+    """Write ``state`` as the safetensors file ``path``, tensor by tensor from their memory
+    (``safetensors.torch.save_file``), fsync it and return its ``(size, sha256)``.
 
     Args:
+        path: the file to create (in a version folder being staged).
         state: what to store (see the module docstring).
         extra: more metadata entries (``str`` to ``str``).
 
     Raises:
         TypeError: ``state`` holds something else, named by its key path.
+        OSError: the write failed (``ENOSPC``: the disk is full).
     """
     encoder = _Encoder()
     structure = encoder.encode(state, "")
     metadata = {META_KEY: json.dumps(structure), **(extra or {})}
-    return safetensors.torch.save(encoder.tensors, metadata=metadata)
+    try:
+        safetensors.torch.save_file(encoder.tensors, path, metadata=metadata)
+    except safetensors.SafetensorError as exc:  # Rust's I/O error, as the OSError it is
+        found = _OS_ERROR.search(str(exc))
+        if found is None:
+            raise OSError(errno.EIO, str(exc), str(path)) from None
+        code = int(found.group(1) or found.group(2))
+        raise OSError(code, os.strerror(code), str(path)) from None
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.fsync(fd)
+        return sha256(fd)
+    finally:
+        os.close(fd)
 
 
-def foreign_format(data: bytes) -> str | None:
-    """Why ``data`` cannot be a file kwplug wrote, when its first bytes tell; else ``None``.
+def foreign_format(head: bytes, size: int) -> str | None:
+    """Why a file of ``size`` bytes starting with ``head`` (its first 9 bytes or more)
+    cannot be a file kwplug wrote, when those bytes tell; else ``None``.
 
     Pickles (protocol 2 and later, so also ``torch.save``'s legacy format) start with the
     ``PROTO`` opcode ``0x80``; ``torch.save``'s zip archives (pickles inside) with ``PK``.
@@ -133,41 +190,13 @@ def foreign_format(data: bytes) -> str | None:
     byte is ``0x80`` for one length in 256: it is recognised by the ``{`` its JSON header
     opens with at byte 8, and a length that fits the file, before the pickle check.
     """
-    if len(data) >= 9 and data[8:9] == b"{" and struct.unpack("<Q", data[:8])[0] <= len(data) - 8:
+    if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] <= size - 8:
         return None
-    if data[:1] == b"\x80":
+    if head[:1] == b"\x80":
         return "it looks like a pickle; kwplug never loads pickles"
-    if data[:4] == b"PK\x03\x04":
+    if head[:4] == b"PK\x03\x04":
         return "it looks like a torch.save zip archive (pickles inside); kwplug never loads pickles"
     return None
-
-
-def decode(data: bytes, file: Path) -> tuple[Any, dict[str, str]]:
-    """The state and metadata in ``data``, the bytes of ``file``.
-
-    Raises:
-        CheckpointError: ``data`` is not a kwplug state file (naming ``file`` and why; no
-            chained parser error: the message says all there is).
-    """
-    problem = foreign_format(data)
-    if problem is None:
-        try:
-            (size,) = struct.unpack("<Q", data[:8])
-            header = json.loads(data[8 : 8 + size].decode("utf-8"))
-            metadata = header.get("__metadata__") or {}
-            structure = json.loads(metadata[META_KEY])
-            tensors = safetensors.torch.load(data)
-            return _decode(structure, tensors), metadata
-        except UnicodeDecodeError:
-            problem = "its header is not UTF-8 text"
-        except struct.error:
-            problem = f"it has {len(data)} bytes, too few for a safetensors header"
-        except Exception as exc:  # any other malformed content: say what the parser said
-            problem = f"{type(exc).__name__}: {exc}"
-    raise CheckpointError(
-        f"{file} is not a state file kwplug wrote (safetensors with kwplug metadata): {problem}",
-        file,
-    )
 
 
 def write_file(path: Path, data: bytes) -> None:
@@ -179,5 +208,16 @@ def write_file(path: Path, data: bytes) -> None:
 
 
 def digest(data: bytes) -> str:
-    """The sha256 of ``data``, in hex."""
+    """The sha256 of ``data`` (bytes in memory: the manifest, a marker), in hex."""
     return hashlib.sha256(data).hexdigest()
+
+
+def sha256(fd: int) -> tuple[int, str]:
+    """``(bytes, sha256 hex)`` of what ``fd`` holds from its start, read in :data:`CHUNK`
+    byte chunks into one reused buffer (``os.preadv``: the file position is not moved)."""
+    hasher, buffer, offset = hashlib.sha256(), bytearray(CHUNK), 0
+    view = memoryview(buffer)
+    while count := os.preadv(fd, [buffer], offset):
+        hasher.update(view[:count])
+        offset += count
+    return offset, hasher.hexdigest()

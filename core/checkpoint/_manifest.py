@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
-from collections.abc import Iterable
 from pathlib import Path
 
 from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _layout as layout
+from kwplug.checkpoint import _reader as reader
 from kwplug.errors import CheckpointError
 
 #: A file's record: ``(size in bytes, sha256 hex)``.
 Record = tuple[int, str]
+#: The largest manifest read, in bytes.
+LIMIT = 1 << 24
+_SHA = re.compile(r"[0-9a-f]{64}")
 
 
 def write(directory: Path, records: dict[str, Record]) -> None:
@@ -32,23 +36,7 @@ def read(directory: Path) -> dict[str, Record]:
             present but not listed.
     """
     path = directory / layout.MANIFEST
-    data = read_regular(path, limit=1 << 24)
-    foreign = codec.foreign_format(data)
-    if foreign is not None:
-        raise CheckpointError(f"{path} is not a JSON manifest kwplug wrote: {foreign}", path)
-    try:
-        body = json.loads(data.decode("utf-8"))
-        if body.get("format") != layout.FORMAT:
-            raise ValueError(f"format {body.get('format')!r}, expected {layout.FORMAT!r}")
-        records = {str(k): (int(v[0]), str(v[1])) for k, v in body["files"].items()}
-    except CheckpointError:
-        raise
-    except UnicodeDecodeError:
-        raise CheckpointError(
-            f"{path} is not a JSON manifest kwplug wrote: it is not UTF-8 text", path
-        ) from None
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
-        raise CheckpointError(f"{path} is not a kwplug manifest: {exc}", path) from exc
+    records = parse(reader.read_small(path, limit=LIMIT), path)
     present = files(directory) - {layout.MANIFEST, layout.MARKER}
     for name in sorted(present - records.keys()):
         raise CheckpointError(f"{directory / name} is not listed in the manifest", directory / name)
@@ -56,7 +44,55 @@ def read(directory: Path) -> dict[str, Record]:
         raise CheckpointError(
             f"{directory / name} is missing (listed in the manifest)", directory / name
         )
+    for name in sorted(records):  # lstat: a link (to /etc...) or a FIFO is never opened
+        if not stat.S_ISREG(os.lstat(directory / name).st_mode):
+            raise CheckpointError(f"{directory / name} is not a regular file", directory / name)
     return records
+
+
+def parse(data: bytes, path: Path) -> dict[str, Record]:
+    """The records in ``data``, the bytes of the manifest ``path``.
+
+    Raises:
+        CheckpointError: ``data`` is not a kwplug manifest (not JSON, too deeply nested,
+            another format, ``files`` not an object of ``[size, sha256]`` pairs...).
+    """
+    foreign = codec.foreign_format(data, len(data))
+    if foreign is not None:
+        raise CheckpointError(f"{path} is not a JSON manifest kwplug wrote: {foreign}", path)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(
+            f"{path} is not a JSON manifest kwplug wrote: it is not UTF-8 text", path
+        ) from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise CheckpointError(f"{path} is not a kwplug manifest: nested too deeply", path) from None
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not a kwplug manifest: {exc}", path) from None
+    problem = _problem(body)
+    if problem is not None:
+        raise CheckpointError(f"{path} is not a kwplug manifest: {problem}", path)
+    return {name: (size, sha) for name, (size, sha) in body["files"].items()}
+
+
+def _problem(body: object) -> str | None:
+    # What is wrong with a decoded manifest, or None.
+    if not isinstance(body, dict):
+        return f"it holds a JSON {type(body).__name__}, not an object"
+    if body.get("format") != layout.FORMAT:
+        return f"format {body.get('format')!r}, expected {layout.FORMAT!r}"
+    entries = body.get("files")
+    if not isinstance(entries, dict):
+        return f"'files' is a JSON {type(entries).__name__}, not an object of [size, sha256]"
+    for name, value in entries.items():
+        ok = isinstance(value, list) and len(value) == 2
+        size, sha = value if ok else (None, None)
+        if not (type(size) is int and size >= 0 and isinstance(sha, str) and _SHA.fullmatch(sha)):
+            return f"the record of {name!r} is {str(value)[:80]}, not [size in bytes, sha256 hex]"
+    return None
 
 
 def files(directory: Path) -> set[str]:
@@ -70,45 +106,3 @@ def files(directory: Path) -> set[str]:
         else:
             found.add(child.name)
     return found
-
-
-def read_regular(path: Path, limit: int | None = None) -> bytes:
-    """The bytes of ``path``, a regular file (never opened otherwise: a FIFO would hang).
-
-    Raises:
-        CheckpointError: ``path`` is missing, not a regular file, or over ``limit`` bytes.
-    """
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing", path) from None
-    if not stat.S_ISREG(mode):
-        raise CheckpointError(f"{path} is not a regular file", path)
-    if limit is not None and os.lstat(path).st_size > limit:
-        raise CheckpointError(f"{path} is larger than {limit} bytes", path)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as fh:
-        return fh.read()
-
-
-def verified(directory: Path, records: dict[str, Record], names: Iterable[str]) -> dict[str, bytes]:
-    """The bytes of the files ``names`` of ``directory``, each checked against its record.
-
-    Raises:
-        CheckpointError: a file is not in the manifest, not regular, truncated or altered.
-    """
-    out: dict[str, bytes] = {}
-    for name in names:
-        path = directory / name
-        if name not in records:
-            raise CheckpointError(f"{path} is not in this checkpoint", path)
-        data = read_regular(path)
-        size, sha = records[name]
-        if len(data) != size:
-            raise CheckpointError(
-                f"{path} has {len(data)} bytes, the manifest says {size} (truncated?)", path
-            )
-        if codec.digest(data) != sha:
-            raise CheckpointError(f"{path} does not match its sha256 in the manifest", path)
-        out[name] = data
-    return out

@@ -39,7 +39,7 @@ from kwplug.checkpoint import _lock as lock
 from kwplug.errors import CheckpointError, KwplugWarning
 
 if TYPE_CHECKING:
-    from kwplug.accelerator import Accelerator
+    from kwplug.checkpoint._sources import CheckpointSources
 
 CHECKPOINTS = "checkpoints"
 _NAME = re.compile(r"checkpoint_(\d+)")
@@ -51,13 +51,13 @@ def checkpoint_name(iteration: int) -> str:
     return f"checkpoint_{iteration}"
 
 
-def root(accelerator: Accelerator) -> Path:
+def root(sources: CheckpointSources) -> Path:
     """``<project_dir>/checkpoints``.
 
     Raises:
         ValueError: ``project_dir`` is not set.
     """
-    project_dir = accelerator.project_configuration.project_dir
+    project_dir = sources.project_configuration.project_dir
     if project_dir is None:
         raise ValueError(
             "ProjectConfiguration(automatic_checkpoint_naming=True) needs a project_dir: pass "
@@ -95,9 +95,9 @@ def is_kwplug_checkpoint(folder: Path) -> bool:
     return commit.resolve_checkpoint(folder) is not None and _only_kwplug_files(folder)
 
 
-def _share(accelerator: Accelerator, value: Any) -> Any:
+def _share(sources: CheckpointSources, value: Any) -> Any:
     # The main process decides; every rank acts on its decision (and raises together).
-    if accelerator.num_processes <= 1:
+    if sources.num_processes <= 1:
         return value
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
@@ -117,12 +117,12 @@ def _refusal(target: Path, iteration: int) -> str | None:
     )
 
 
-def save(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None) -> Path:
+def save(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) -> Path:
     """``save_state``: into ``output_dir``, or the next ``checkpoint_<i>`` with automatic naming;
     then ``iteration += 1`` and, with ``total_limit``, :func:`prune` (main process).
 
     Args:
-        accelerator: the ``Accelerator`` saving (every rank calls this).
+        sources: what to save (every rank calls this).
         output_dir: the checkpoint directory; ``None`` only with automatic naming, which
             ignores it otherwise (with a ``KwplugWarning``, as Accelerate ignores it silently).
 
@@ -134,17 +134,17 @@ def save(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None) ->
             ``checkpoint_<iteration>`` exists (other than a killed save's leftover).
         CheckpointError: from :func:`kwplug.checkpoint.save_state` (nothing is pruned then).
     """
-    config = accelerator.project_configuration
+    config = sources.project_configuration
     if not config.automatic_checkpoint_naming:
         if output_dir is None:
             raise ValueError(
                 "save_state() needs output_dir unless ProjectConfiguration("
                 "automatic_checkpoint_naming=True) names the folders"
             )
-        saved = api.save_state(accelerator, output_dir)
+        saved = api.save_state(sources, output_dir)
         config.iteration += 1
         return saved
-    checkpoints = root(accelerator)
+    checkpoints = root(sources)
     if output_dir is not None:  # Accelerate ignores it too; say so
         warnings.warn(
             f"save_state({os.fspath(output_dir)!r}) ignores its output_dir: "
@@ -153,13 +153,13 @@ def save(accelerator: Accelerator, output_dir: str | os.PathLike[str] | None) ->
             stacklevel=3,
         )
     target = checkpoints / checkpoint_name(config.iteration)
-    refusal = _refusal(target, config.iteration) if accelerator.is_main_process else None
-    refusal = _share(accelerator, refusal)
+    refusal = _refusal(target, config.iteration) if sources.is_main_process else None
+    refusal = _share(sources, refusal)
     if refusal is not None:
         raise ValueError(refusal)
-    saved = api.save_state(accelerator, target)
+    saved = api.save_state(sources, target)
     config.iteration += 1
-    if config.total_limit is not None and accelerator.is_main_process:
+    if config.total_limit is not None and sources.is_main_process:
         try:
             prune(checkpoints, config.total_limit, keep=target)
         except OSError as exc:  # the save is committed: a failed clean-up must not undo it
@@ -208,13 +208,13 @@ def prune(directory: Path, total_limit: int, keep: Path | None = None) -> list[P
     return deleted
 
 
-def load(accelerator: Accelerator, input_dir: str | os.PathLike[str] | None) -> Path:
+def load(sources: CheckpointSources, input_dir: str | os.PathLike[str] | None) -> Path:
     """``load_state``: ``input_dir``, or the newest complete ``checkpoint_<n>`` with automatic
     naming; with automatic naming, loading ``checkpoints/checkpoint_<n>`` sets ``iteration``
     to ``n + 1``.
 
     Args:
-        accelerator: the ``Accelerator`` loading (every rank calls this).
+        sources: what to load into (every rank calls this).
         input_dir: the checkpoint directory, or ``None`` (automatic naming only).
 
     Returns:
@@ -225,26 +225,26 @@ def load(accelerator: Accelerator, input_dir: str | os.PathLike[str] | None) -> 
         FileNotFoundError: no complete ``checkpoint_<n>`` (or no checkpoint at ``input_dir``).
         CheckpointError: from :func:`kwplug.checkpoint.load_state`.
     """
-    config = accelerator.project_configuration
+    config = sources.project_configuration
     if input_dir is None:
         if not config.automatic_checkpoint_naming:
             raise ValueError(
                 "load_state() needs input_dir unless ProjectConfiguration("
                 "automatic_checkpoint_naming=True) names the folders"
             )
-        checkpoints = root(accelerator)
+        checkpoints = root(sources)
         newest = None
-        if accelerator.is_main_process:
+        if sources.is_main_process:
             found = [f for _, f in sorted(numbered(checkpoints).items()) if commit.is_complete(f)]
             newest = str(found[-1]) if found else None
-        newest = _share(accelerator, newest)
+        newest = _share(sources, newest)
         if newest is None:
             raise FileNotFoundError(f"no complete kwplug checkpoint_<n> folder in {checkpoints}")
         input_dir = newest
-    loaded = api.load_state(accelerator, input_dir)
+    loaded = api.load_state(sources, input_dir)
     if config.automatic_checkpoint_naming and config.project_dir is not None:
         folder = Path(input_dir).absolute()
         match = _NAME.fullmatch(folder.name)
-        if match and folder.parent == root(accelerator):
+        if match and folder.parent == root(sources):
             config.iteration = int(match.group(1)) + 1
     return loaded

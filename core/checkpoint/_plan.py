@@ -4,8 +4,7 @@ not ``Stateful`` already, an adapter in :mod:`kwplug.checkpoint._stateful`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
@@ -21,7 +20,7 @@ from kwplug.checkpoint._stateful import (
 )
 
 if TYPE_CHECKING:
-    from kwplug.accelerator import Accelerator
+    from kwplug.checkpoint._sources import CheckpointSources
 
 #: ``main``: rank 0 saves and loads it; ``collective``: every rank takes part, rank 0 writes
 #: the file and reads it (the others get ``{}``); ``each``: every rank its own file.
@@ -40,16 +39,16 @@ class Entry:
     sparse: bool = False  # not written when its state is {}; loaded with {} when absent
 
 
-def entries(accelerator: Accelerator) -> list[Entry]:
-    """The files of ``accelerator``'s checkpoint on this rank, in save and load order.
+def entries(sources: CheckpointSources) -> list[Entry]:
+    """The files of the checkpoint of ``sources`` on this rank, in save and load order.
 
     Raises:
         NotImplementedError: an optimizer steps a sharded model's parameters together with
             parameters outside that model.
     """
-    acc = accelerator
-    modules = [acc.unwrap_model(m, keep_torch_compile=False) for m in acc._models]
-    owners = sharded.optimizer_owners(modules, acc._optimizers)
+    acc = sources
+    modules = acc.modules()
+    owners = sharded.optimizer_owners(modules, acc.optimizers)
     plan: list[Entry] = []
     for i, module in enumerate(modules):
         if sharded.is_sharded(module):
@@ -57,7 +56,7 @@ def entries(accelerator: Accelerator) -> list[Entry]:
             plan.append(Entry(layout.model_file(i), target, "collective", qualified_name(module)))
         else:
             plan.append(Entry(layout.model_file(i), module, "main", qualified_name(module)))
-    for i, optimizer in enumerate(acc._optimizers):
+    for i, optimizer in enumerate(acc.optimizers):
         if i in owners:
             target = ShardedOptimizerState(owners[i], optimizer)
             file = layout.optimizer_file(i)
@@ -69,37 +68,24 @@ def entries(accelerator: Accelerator) -> list[Entry]:
         world_size=acc.num_processes,
         gradient_state=acc.gradient_state,
         modules=modules,
-        optimizers=acc._optimizers,
-        scaler_updates=acc._prepared.scaler_updates,
+        optimizers=acc.optimizers,
+        scaler_updates=acc.scaler_updates,
     )  # before the scaler: it makes the update the last step still owes
     file = layout.accumulation_file(acc.process_index)
     plan.append(Entry(file, pending, "each", qualified_name(pending), optional=True, sparse=True))
     if acc.scaler is not None:
         kind = qualified_name(acc.scaler)
         plan.append(Entry(layout.SCALER, acc.scaler, "main", kind, optional=True))
-    for i, obj in enumerate(acc._custom_objects):
+    for i, obj in enumerate(acc.custom_objects):
         plan.append(Entry(layout.custom_file(i), obj, "main", qualified_name(obj)))
     rank = RankState(
         world_size=acc.num_processes,
         device=acc.device,
-        loaders=acc._dataloaders,
-        models=acc._models,
-        collect_handlers=lambda: collect_handler_state(acc),
-        restore_handlers=lambda saved: restore_handler_state(acc, saved),
+        loaders=acc.dataloaders,
+        models=acc.models,
+        collect_handlers=acc.handler_state,
+        restore_handlers=acc.load_handler_state,
     )
     file = layout.rank_file(acc.process_index)
     plan.append(Entry(file, rank, "each", qualified_name(rank)))
     return plan
-
-
-def collect_handler_state(accelerator: Accelerator) -> dict[str, Any]:
-    """Every plugin's ``handler_state`` answer, by registered plugin name."""
-    # By name, so that each plugin gets its own state back.
-    answers = accelerator._call_each("handler_state")
-    return {name: state for name, state in answers if state is not None}
-
-
-def restore_handler_state(accelerator: Accelerator, saved: Mapping[str, Any]) -> None:
-    """Give each plugin its saved state back (``load_handler_state``)."""
-    for name, state in saved.items():
-        accelerator._call_each("load_handler_state", only=name.__eq__, state=state)

@@ -16,7 +16,6 @@ On load, once every file of the version is verified, every rank calls each hook 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections import OrderedDict
@@ -28,16 +27,16 @@ import attrs
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _manifest as manifest
+from kwplug.checkpoint import _reader as reader
 from kwplug.checkpoint import _sharded as sharded
 from kwplug.checkpoint._checks import qualified_name
 from kwplug.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from kwplug.accelerator import Accelerator
     from kwplug.checkpoint._plan import Entry
+    from kwplug.checkpoint._sources import CheckpointSources
 
 SaveHook = Callable[[list[torch.nn.Module], list[dict[str, Any]], str], None]
 LoadHook = Callable[[list[torch.nn.Module], str], None]
@@ -74,11 +73,10 @@ class _Weights:
         raise NotImplementedError("saved weights are loaded into their model")  # never called
 
 
-def _refuse_sharded(acc: Accelerator, what: str) -> None:
+def _refuse_sharded(acc: CheckpointSources, what: str) -> None:
     # A sharded model's state dict is gathered collectively: a hook that drops it on some
     # ranks (diffusers' pop on the main process only) would leave the others waiting.
-    for model in acc._models:
-        module = acc.unwrap_model(model, keep_torch_compile=False)
+    for module in acc.modules():
         if sharded.is_sharded(module):
             raise NotImplementedError(
                 f"register_{what}_state_pre_hook with a sharded model "
@@ -91,20 +89,22 @@ def _is_model_entry(entry: Entry, count: int) -> bool:
     return entry.file in {layout.model_file(i) for i in range(count)}
 
 
-def saving(acc: Accelerator, entries: list[Entry], staging: Path) -> tuple[list[Entry], str | None]:
+def saving(
+    acc: CheckpointSources, entries: list[Entry], staging: Path
+) -> tuple[list[Entry], str | None]:
     """Run the save hooks (every rank) and replace the model entries by the weights they
     left; also an error message when a hook wrote a name kwplug writes itself."""
-    hooks = acc._state_pre_hooks.save
+    hooks = acc.pre_hooks.save
     if not hooks:
         return entries, None
     from kwplug.checkpoint._plan import Entry
 
     _refuse_sharded(acc, "save")
-    modules = [acc.unwrap_model(m, keep_torch_compile=False) for m in acc._models]
+    modules = acc.modules()
     weights: list[dict[str, Any]] = [m.state_dict() for m in modules]
     kinds = {id(w): qualified_name(m) for w, m in zip(weights, modules, strict=True)}
     for hook in list(hooks.values()):
-        hook(list(acc._models), weights, str(staging))
+        hook(list(acc.models), weights, str(staging))
     kept = [
         Entry(layout.model_file(j), _Weights(w), "main", kinds.get(id(w), qualified_name(w)))
         for j, w in enumerate(weights)
@@ -120,7 +120,7 @@ def saving(acc: Accelerator, entries: list[Entry], staging: Path) -> tuple[list[
 
 
 def with_written(
-    acc: Accelerator, staging: Path, records: dict[str, manifest.Record]
+    acc: CheckpointSources, staging: Path, records: dict[str, manifest.Record]
 ) -> dict[str, manifest.Record]:
     """``records`` and a record for each file the save hooks wrote into ``staging``.
 
@@ -128,7 +128,7 @@ def with_written(
         CheckpointError: a hook wrote something else than regular files in folders (a link,
             a FIFO, an empty folder), or a name kwplug writes itself.
     """
-    if not acc._state_pre_hooks.save:
+    if not acc.pre_hooks.save:
         return records
     out = dict(records)
     for name in sorted(manifest.files(staging) - records.keys()):
@@ -137,18 +137,17 @@ def with_written(
                 f"a save_state pre-hook wrote {staging / name}, a name kwplug writes itself",
                 staging / name,
             )
-        data = manifest.read_regular(staging / name)  # refuses links, FIFOs, empty folders
-        out[name] = (len(data), codec.digest(data))
+        out[name] = reader.record(staging / name)  # refuses links, FIFOs, empty folders
     return out
 
 
-def abort(acc: Accelerator, staging: Path) -> None:
+def abort(acc: CheckpointSources, staging: Path) -> None:
     """Remove the version folder of a failed save; with save hooks, also what they wrote
     there (the folder is this save's: kwplug created it moments ago)."""
     from kwplug.checkpoint import _commit as commit
 
     number = layout.version_number(staging.name)
-    if not acc._state_pre_hooks.save or number is None or not staging.is_dir():
+    if not acc.pre_hooks.save or number is None or not staging.is_dir():
         commit.abort(staging)
         return
     trash = staging.with_name(layout.trash_name(number, os.getpid()))
@@ -156,39 +155,39 @@ def abort(acc: Accelerator, staging: Path) -> None:
     shutil.rmtree(trash)
 
 
-def loading(acc: Accelerator, entries: list[Entry], directory: Path) -> list[Entry]:
+def loading(acc: CheckpointSources, entries: list[Entry], directory: Path) -> list[Entry]:
     """Verify every file of ``directory`` (also those the save hooks wrote), then run the load
     hooks (every rank) and replace the model entries by the models they left, in order.
 
     Raises:
         CheckpointError: a file is missing, not listed, truncated or altered.
     """
-    hooks = acc._state_pre_hooks.load
+    hooks = acc.pre_hooks.load
     if not hooks:
         return entries
     from kwplug.checkpoint._plan import Entry
 
     _refuse_sharded(acc, "load")
     records = manifest.read(directory)
-    for name in sorted(records):  # one at a time: never the whole checkpoint in memory
-        manifest.verified(directory, records, [name])
-    models = list(acc._models)
+    for name in sorted(records):  # in chunks: never a whole file in memory
+        reader.verify(directory / name, records[name])
+    models = list(acc.models)
     count = len(models)
     for hook in list(hooks.values()):
         hook(models, str(directory))
     kept = []
     for j, model in enumerate(models):
-        module = acc.unwrap_model(model, keep_torch_compile=False)
+        module = acc.unwrap(model)
         kept.append(Entry(layout.model_file(j), module, "main", qualified_name(module)))
     return kept + [e for e in entries if not _is_model_entry(e, count)]
 
 
 def listed(folder: Path) -> set[str]:
     """The files ``folder``'s manifest lists (empty when it has none or it is unreadable)."""
-    try:  # read_regular: a FIFO planted as the manifest is never opened
-        body = json.loads(manifest.read_regular(folder / layout.MANIFEST, limit=1 << 24))
-        return {str(name) for name in body["files"]}
-    except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+    path = folder / layout.MANIFEST
+    try:  # read_small: a FIFO planted as the manifest is never read
+        return set(manifest.parse(reader.read_small(path, limit=manifest.LIMIT), path))
+    except (CheckpointError, OSError):
         return set()
 
 

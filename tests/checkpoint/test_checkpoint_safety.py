@@ -239,22 +239,23 @@ def test_disk_full_names_the_directory_and_keeps_the_previous(
     previous = checkpoint.resolve_checkpoint(tmp_path / "ckpt")
     assert previous is not None
     before = snapshot(tmp_path)
-    real = codec.write_file
+    real = codec.write_state
     calls = []
 
-    def full_disk(path: Path, data: bytes) -> None:
+    def full_disk(path: Path, state: Any, extra: Any = None) -> tuple[int, str]:
         calls.append(path)
+        record = real(path, state, extra)
         if len(calls) == 2:  # the second file: half written, then ENOSPC
-            path.write_bytes(data[: len(data) // 2])
+            os.truncate(path, record[0] // 2)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        real(path, data)
+        return record
 
-    monkeypatch.setattr(codec, "write_file", full_disk)
+    monkeypatch.setattr(codec, "write_state", full_disk)
     with pytest.raises(CheckpointError, match="No space left on device") as info:
         accelerator.save_state(tmp_path / "ckpt")
     assert str(tmp_path / "ckpt") in str(info.value)
     assert snapshot(tmp_path) == before  # the staging version is gone, the previous intact
-    monkeypatch.setattr(codec, "write_file", real)
+    monkeypatch.setattr(codec, "write_state", real)
     accelerator.load_state(tmp_path / "ckpt")
 
 

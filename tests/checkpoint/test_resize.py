@@ -71,7 +71,7 @@ def train(
 
 def snapshot(accelerator: kwplug.Accelerator, optimizer: Any) -> dict[str, Any]:
     """The model's parameters and the optimizer's state, on the CPU."""
-    model = accelerator.unwrap_model(accelerator._models[0])
+    model = accelerator.unwrap_model(accelerator._prepared.models[0])
     return {
         "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "optimizer": {

@@ -14,7 +14,8 @@ import torch
 
 import kwplug
 from kwplug import KwargsHandler, checkpoint, hookimpl
-from kwplug.checkpoint import _codec as codec
+from kwplug.checkpoint import _manifest as manifest
+from kwplug.checkpoint import _reader as reader
 
 
 def test_hook_autocast() -> None:
@@ -144,7 +145,8 @@ def test_hook_handler_state(tmp_path: Any) -> None:
     accelerator.save_state(tmp_path / "ckpt")
     version = checkpoint.resolve_checkpoint(tmp_path / "ckpt")
     assert version is not None
-    saved, _ = codec.decode((version / "rank_0.safetensors").read_bytes(), version)
+    records = manifest.read(version)
+    saved, _ = reader.read_state(version / "rank_0.safetensors", records["rank_0.safetensors"])
     assert saved["handlers"] == {"user[0]:test_hooks.Counting": {"seen": 7}}
 
 

@@ -191,7 +191,7 @@ def test_prepare_model_evaluation_mode_does_not_wrap() -> None:
     accelerator = kwplug.Accelerator(cpu=True)
     model = torch.nn.Linear(2, 2)
     assert accelerator.prepare_model(model, evaluation_mode=True) is model
-    assert accelerator._models == [model]
+    assert accelerator._prepared.models == [model]
     assert accelerator.plan.get("wrap_model") is None  # the hook was not asked
 
 
@@ -257,7 +257,10 @@ def test_register_for_checkpointing_unsupported_object_is_a_value_error(
     # Accelerate numbers the invalid objects among themselves, kwplug by argument position
     with pytest.raises(ValueError, match=r"Item at index \d, `object`") as raised:
         accelerator.register_for_checkpointing(good, object())
-    assert accelerator._custom_objects == []  # nothing registered
+    registered = (
+        accelerator._prepared.custom_objects if library == "kwplug" else accelerator._custom_objects
+    )
+    assert registered == []  # nothing registered
     if library == "kwplug":
         assert isinstance(raised.value, TypeError)  # what kwplug raised before
         assert raised.value.indices == (1,) and "index 1, `object`" in str(raised.value)

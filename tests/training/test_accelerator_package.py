@@ -81,13 +81,19 @@ def test_registry_is_per_accelerator_and_cleared_by_end_training() -> None:
     loader = DataLoader(TensorDataset(torch.zeros(4, 2)), batch_size=2)
     model, optimizer, loader = first.prepare(model, optimizer, loader)
     first.register_for_checkpointing(torch.optim.lr_scheduler.StepLR(optimizer, 1))
-    assert first._models == [model] and first._optimizers == [optimizer]
-    assert first._scaled_optimizers == [optimizer] and first._dataloaders == [loader]
-    assert len(first._custom_objects) == 1
-    assert second._models == [] and second._optimizers == []
+    assert first._prepared.models == [model] and first._prepared.optimizers == [optimizer]
+    assert first._prepared.scaled_optimizers == [optimizer] and first._prepared.dataloaders == [
+        loader
+    ]
+    assert len(first._prepared.custom_objects) == 1
+    assert second._prepared.models == [] and second._prepared.optimizers == []
     first.end_training()
-    assert (first._models, first._optimizers, first._scaled_optimizers) == ([], [], [])
-    assert (first._dataloaders, first._custom_objects) == ([], [])
+    assert (
+        first._prepared.models,
+        first._prepared.optimizers,
+        first._prepared.scaled_optimizers,
+    ) == ([], [], [])
+    assert (first._prepared.dataloaders, first._prepared.custom_objects) == ([], [])
 
 
 def test_setup_logs_under_the_package_logger(caplog: pytest.LogCaptureFixture) -> None:

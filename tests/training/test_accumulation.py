@@ -216,7 +216,7 @@ def test_optimizer_and_scheduler_skip_accumulation_steps() -> None:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     steps = []
     optimizer.optimizer.register_step_post_hook(lambda *_: steps.append(1))
-    assert scheduler in accelerator._custom_objects  # saved by save_state
+    assert scheduler in accelerator._checkpoint_sources().custom_objects  # saved by save_state
     for _ in range(5):
         with accelerator.accumulate(model):
             accelerator.backward(model(torch.ones(2, 3)).sum())

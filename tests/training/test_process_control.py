@@ -154,9 +154,9 @@ def test_distributed_type_declared_by_a_handler() -> None:
 def test_free_memory_drops_prepared_objects() -> None:
     accelerator = kwplug.Accelerator(cpu=True)
     model = accelerator.prepare(torch.nn.Linear(2, 2))
-    assert accelerator._models == [model]
+    assert accelerator._prepared.models == [model]
     assert accelerator.free_memory(model, 1) == [None, None]
-    assert accelerator._models == [] and accelerator.clear() == []
+    assert accelerator._prepared.models == [] and accelerator.clear() == []
 
 
 def test_on_process_needs_an_index_and_split_checks_lengths() -> None:

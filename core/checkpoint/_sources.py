@@ -1,0 +1,121 @@
+"""What a save or a load reads of the training run: :class:`CheckpointSources`.
+
+The checkpoint package never sees the ``Accelerator``: for each ``save_state``/``load_state``
+call the Accelerator builds one frozen :class:`CheckpointSources` holding the objects to save
+or restore and the few facts about the run the package needs (ranks, device, how to unwrap a
+model, the plugins' ``handler_state``/``load_handler_state`` callers, the project
+configuration for automatic naming). As torchtitan's ``CheckpointManager``, which is given its
+model parts, optimizers and states, so that the checkpoint code can change (or be tested)
+without the trainer and the trainer without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import torch
+from torch.utils.data import DataLoader
+
+from kwplug.errors import NotCheckpointableError
+from kwplug.optimizer import AcceleratedOptimizer, ScalerUpdates
+from kwplug.utils.dataclasses import ProjectConfiguration
+
+if TYPE_CHECKING:
+    from kwplug.checkpoint._prehooks import StatePreHooks
+    from kwplug.checkpoint._stateful import Stateful
+
+
+class GradientPosition(Protocol):
+    """Where gradient accumulation is (the Accelerator's ``GradientState``), as read here."""
+
+    @property
+    def sync_gradients(self) -> bool:
+        """False between two micro-batches of an accumulation."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position (``{"step": int, "sync_gradients": bool}``)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a position from :meth:`state_dict`."""
+        ...
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointSources:
+    """Everything one ``save_state``/``load_state`` call reads of the run (built per call).
+
+    Attributes:
+        models: the prepared models, as prepared (wrapped: DDP...), in preparation order.
+        optimizers: the prepared optimizers (``AcceleratedOptimizer``), in order.
+        dataloaders: the prepared data loaders, in order.
+        custom_objects: the objects registered for checkpointing (prepared schedulers too).
+        scaler: the gradient scaler (fp16), or ``None``.
+        scaler_updates: the ``GradScaler.update()`` the optimizers share, or ``None``.
+        gradient_state: where gradient accumulation is.
+        pre_hooks: the registered ``save_state``/``load_state`` pre-hooks.
+        process_index: this process's global rank.
+        num_processes: the world size.
+        device: this process's device (its RNG state is saved).
+        unwrap: the user's module inside a prepared model (``Accelerator.unwrap_model``).
+        handler_state: every plugin's ``handler_state`` answer, by plugin name.
+        load_handler_state: gives each plugin named in the mapping its saved state back.
+        project_configuration: the run's ``ProjectConfiguration`` (automatic naming; its
+            ``iteration`` is advanced by each save and set by a load).
+    """
+
+    models: tuple[torch.nn.Module, ...]
+    optimizers: tuple[AcceleratedOptimizer, ...]
+    dataloaders: tuple[DataLoader[Any], ...]
+    custom_objects: tuple[Stateful, ...]
+    scaler: Stateful | None
+    scaler_updates: ScalerUpdates | None
+    gradient_state: GradientPosition
+    pre_hooks: StatePreHooks
+    process_index: int
+    num_processes: int
+    device: torch.device
+    unwrap: Callable[[torch.nn.Module], torch.nn.Module]
+    handler_state: Callable[[], dict[str, Any]]
+    load_handler_state: Callable[[Mapping[str, Any]], None]
+    project_configuration: ProjectConfiguration
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on global rank 0 (which writes the shared files and commits)."""
+        return self.process_index == 0
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The prepared models, unwrapped (what their ``state_dict`` is taken of)."""
+        return [self.unwrap(model) for model in self.models]
+
+
+def register(registry: list[Any], *objects: Any) -> None:
+    """Append ``objects`` to ``registry`` (an Accelerator's registered objects), each checked.
+
+    Raises:
+        kwplug.errors.NotCheckpointableError: (a ``ValueError``, as Accelerate's, and a
+            ``TypeError``) an object lacks a callable ``state_dict`` or ``load_state_dict``;
+            the message lists each one by index, and none of ``objects`` is registered.
+    """
+    invalid = [
+        i
+        for i, obj in enumerate(objects)
+        if not (
+            callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))
+        )
+    ]
+    if invalid:
+        listed = "".join(
+            f"\n\t- Item at index {i}, `{type(objects[i]).__qualname__}`" for i in invalid
+        )
+        raise NotCheckpointableError(
+            "All `objects` must include a `state_dict` and `load_state_dict` function to be "
+            f"stored. The following inputs are invalid:{listed}",
+            indices=tuple(invalid),
+        )
+    registry.extend(objects)

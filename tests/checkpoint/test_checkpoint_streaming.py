@@ -1,0 +1,204 @@
+"""Checkpoints stream (issue 18, item 2): sizes and file types checked with ``fstat`` before
+a byte is read, sha256 in chunks, tensors decoded by ``safe_open`` one file at a time and
+verified over the very bytes decoded, files written by ``save_file`` from the tensors."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+
+import kwplug
+from kwplug import checkpoint
+from kwplug.checkpoint import CheckpointError
+from kwplug.checkpoint import _codec as codec
+from kwplug.checkpoint import _reader as reader
+
+MIB = 1 << 20
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(field)
+
+
+def _peak_extra(action: Any) -> int:
+    """Bytes the resident set grew at its peak while ``action()`` ran (Linux ``VmHWM``)."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+        handle.write("5")  # the peak starts again from the current resident set
+    before = _status("VmRSS")
+    action()
+    return _status("VmHWM") - before
+
+
+def _setup(width: int = 4, layers: int = 1) -> tuple[kwplug.Accelerator, Any, Any]:
+    torch.manual_seed(0)
+    accelerator = kwplug.Accelerator(cpu=True)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model(torch.randn(2, width)).sum().backward()
+    optimizer.step()
+    return accelerator, model, optimizer
+
+
+def _version(directory: Path) -> Path:
+    version = checkpoint.resolve_checkpoint(directory)
+    assert version is not None
+    return version
+
+
+def test_a_sparse_2gib_file_is_refused_without_reading_it(tmp_path: Path) -> None:
+    accelerator, model, _ = _setup()
+    accelerator.save_state(tmp_path / "ckpt")
+    target = _version(tmp_path / "ckpt") / "model_0.safetensors"
+    target.unlink()
+    with target.open("wb") as handle:
+        handle.truncate(2 << 30)  # 2 GiB of holes: no disk used, 2 GiB if read
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    before = model[0].weight.detach().clone()
+
+    def load() -> None:
+        with pytest.raises(CheckpointError, match=r"2147483648 bytes, the manifest says"):
+            accelerator.load_state(tmp_path / "ckpt")
+
+    assert _peak_extra(load) < 64 * MIB  # today: + 2 GiB, the file read whole
+    assert torch.equal(model[0].weight, before)
+
+
+def test_sha256_is_computed_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = os.urandom(3 * codec.CHUNK + 5)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    requests: list[int] = []
+    real = os.preadv
+
+    def preadv(fd: int, buffers: list[bytearray], offset: int) -> int:
+        requests.append(sum(len(b) for b in buffers))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert codec.sha256(fd) == (len(data), hashlib.sha256(data).hexdigest())
+    finally:
+        os.close(fd)
+    assert len(requests) >= 4 and max(requests) <= codec.CHUNK
+    assert reader.record(path) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_round_trip_is_exact_for_every_dtype(tmp_path: Path) -> None:
+    class Mixed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.low = torch.nn.Parameter(torch.randn(3, 5).to(torch.bfloat16))
+            self.wide = torch.nn.Parameter(torch.randn(7, dtype=torch.float64))
+            self.register_buffer("count", torch.tensor(41, dtype=torch.int64))
+            self.register_buffer("mask", torch.tensor([True, False, True]))
+            self.register_buffer("empty", torch.zeros(0, 4))
+
+    accelerator = kwplug.Accelerator(cpu=True)
+    model = Mixed()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    (model.low.float().sum() + model.wide.sum()).backward()
+    optimizer.step()
+    accelerator.save_state(tmp_path / "ckpt")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    inner = optimizer.optimizer
+    moments = {k: v.clone() for k, v in inner.state[model.low].items()}
+
+    fresh_accelerator = kwplug.Accelerator(cpu=True)
+    fresh = Mixed()
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    fresh, fresh_optimizer = fresh_accelerator.prepare(fresh, fresh_optimizer)
+    fresh_accelerator.load_state(tmp_path / "ckpt")
+    for name, value in fresh.state_dict().items():
+        assert value.dtype == saved[name].dtype and torch.equal(value, saved[name]), name
+    loaded = fresh_optimizer.optimizer.state[fresh.low]
+    for name, value in moments.items():
+        assert torch.equal(loaded[name], value), name
+
+
+def test_load_decodes_with_safe_open_never_whole_file_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    accelerator, *_ = _setup(width=256, layers=4)  # 1 MiB of weights, 1 of momentum
+    accelerator.save_state(tmp_path / "ckpt")
+    opened: list[str] = []
+    real_open = reader.safe_open
+
+    def spy(name: str, *args: Any, **kwargs: Any) -> Any:
+        opened.append(os.path.realpath(name))
+        return real_open(name, *args, **kwargs)
+
+    def whole(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a state file was decoded from its bytes in memory")
+
+    reads: list[int] = []
+    real_pread = os.pread
+
+    def pread(fd: int, count: int, offset: int) -> bytes:
+        reads.append(count)
+        return real_pread(fd, count, offset)
+
+    monkeypatch.setattr(reader, "safe_open", spy)
+    monkeypatch.setattr(safetensors.torch, "load", whole)
+    monkeypatch.setattr(os, "pread", pread)
+    accelerator.load_state(tmp_path / "ckpt")
+    names = {Path(p).name for p in opened}
+    assert {"model_0.safetensors", "optimizer_0.safetensors", "rank_0.safetensors"} <= names
+    assert max(reads) < 64 * 1024  # headers only: the tensors are read by safetensors
+
+
+def test_a_file_changed_after_verification_is_never_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    accelerator, model, _ = _setup(width=64)
+    accelerator.save_state(tmp_path / "ckpt")
+    target = _version(tmp_path / "ckpt") / "model_0.safetensors"
+    real = reader.read_state
+
+    def tamper(path: Path, expected: Any, *, shapes_only: bool = False) -> Any:
+        if path == target and not shapes_only:  # verified already: now change it in place
+            with path.open("r+b") as handle:
+                handle.seek(-4, os.SEEK_END)
+                handle.write(b"\x00\x00\x80\x7f")  # the last weight becomes +inf
+        return real(path, expected, shapes_only=shapes_only)
+
+    monkeypatch.setattr(reader, "read_state", tamper)
+    with torch.no_grad():
+        model[0].weight.zero_()
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        accelerator.load_state(tmp_path / "ckpt")
+    assert torch.count_nonzero(model[0].weight) == 0
+
+
+def test_memory_of_save_and_load_stays_near_one_file(tmp_path: Path) -> None:
+    accelerator, *_ = _setup(width=1024, layers=16)  # 64 MiB of weights, 64 of momentum
+    largest = 64 * MIB
+    save = _peak_extra(lambda: accelerator.save_state(tmp_path / "ckpt"))
+    load = _peak_extra(lambda: accelerator.load_state(tmp_path / "ckpt"))
+    assert save < 0.25 * largest  # today: each file built in memory, 3x
+    assert load < 1.1 * largest  # today: every file's bytes and tensors, 4x
+
+
+def test_save_writes_from_the_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def whole(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a state file was built in memory")
+
+    accelerator, *_ = _setup()
+    monkeypatch.setattr(safetensors.torch, "save", whole)
+    accelerator.save_state(tmp_path / "ckpt")
+    version = _version(tmp_path / "ckpt")
+    state = safetensors.torch.load_file(version / "model_0.safetensors")
+    assert set(state) == {"0.weight", "0.bias"}
