@@ -4,11 +4,13 @@ drops the samples the sharding repeated to even out the last batch."""
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Literal
 
 import torch
 
-from kwplug.data import ActiveLoaders
+from kwplug.data import ActiveLoaders, IterableDatasetShard
+from kwplug.errors import KwplugWarning
 from kwplug.utils import operations
 from kwplug.utils.structures import recursively_apply
 
@@ -55,9 +57,26 @@ def gather_for_metrics(data: Any, use_gather_object: bool, loaders: ActiveLoader
         return gathered
     if remainder == 0:  # the last global batch was full: nothing repeated
         return gathered
+    _warn_if_accelerate_counts_padding(loaders)
     if use_gather_object:
         return gathered[:remainder]
     return recursively_apply(lambda t: t[:remainder], gathered)
+
+
+def _warn_if_accelerate_counts_padding(loaders: ActiveLoaders) -> None:
+    # A deliberate difference must reach the user at the call, not as other numbers:
+    # Accelerate records no remainder for a sharded (not dispatched) iterable data set, so its
+    # gather_for_metrics keeps the padding samples that kwplug drops here.
+    loader = loaders.active
+    if isinstance(getattr(loader, "dataset", None), IterableDatasetShard):
+        warnings.warn(
+            "gather_for_metrics drops the samples repeated to fill the last batch of an "
+            "IterableDataset prepared with dispatch_batches=False (the true sample count); "
+            "Accelerate keeps them and counts those samples twice. Use dispatch_batches=None "
+            "(the default) to get the same numbers from both",
+            KwplugWarning,
+            stacklevel=4,
+        )
 
 
 def pad_across_processes(
