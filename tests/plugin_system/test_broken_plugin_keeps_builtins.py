@@ -58,8 +58,10 @@ TRAIN = textwrap.dedent("""
     dtypes = []
     for _ in range(3):
         with accelerator.autocast():
-            out = model(torch.randn(8, 4))
-            dtypes.append(str(out.dtype))
+            x = torch.randn(8, 4)
+            # The layer's own computation: prepare() converts the model's outputs to float32.
+            dtypes.append(str(torch.nn.functional.linear(x, model.weight, model.bias).dtype))
+            out = model(x)
             loss = out.float().pow(2).mean()
         accelerator.backward(loss)
         optimizer.step()
