@@ -114,6 +114,8 @@ def environment() -> dict[str, Any]:
 
 def _describe_answer(result: Any) -> Any:
     """What a hook's answer would hand to torch, as plain data."""
+    from kwplug.precision import LossScaler  # imports torch: only when explaining
+
     if isinstance(result, functools.partial):
         target = getattr(result.func, "__qualname__", repr(result.func))
         module = getattr(result.func, "__module__", "")
@@ -122,7 +124,7 @@ def _describe_answer(result: Any) -> Any:
             "args": [repr(a) for a in result.args],
             "kwargs": {k: repr(v) for k, v in result.keywords.items()},
         }
-    if hasattr(result, "state_dict") and hasattr(result, "get_scale"):  # a GradScaler
+    if isinstance(result, LossScaler):  # a make_scaler answer: its state is what it holds
         return {
             "call": f"{type(result).__module__}.{type(result).__qualname__}",
             **{k: repr(v) for k, v in result.state_dict().items()},

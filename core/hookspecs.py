@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from kwplug.comm_hooks import CommHook
+    from kwplug.precision import LossScaler
     from kwplug.tracking import TrackerFactory
 
 PROJECT_NAME = "kwplug"
@@ -162,17 +163,29 @@ class HandlerSpec:
         """
 
     @spec(ONE_ANSWER, pure=True)
-    def make_scaler(self, device_type: str, mixed_precision: str) -> torch.amp.GradScaler | None:
-        """Return the gradient scaler for this setting, or ``None``.
+    def make_scaler(self, device_type: str, mixed_precision: str) -> LossScaler | None:
+        """Return the loss scaler (the precision backend) for this setting, or ``None``.
+
+        The answer decides how ``Accelerator.backward`` scales the loss, how gradient clipping
+        unscales the gradients, how ``optimizer.step()`` steps (or skips) and adjusts the
+        scale, and what ``save_state`` saves of it: the core calls only the
+        :class:`kwplug.precision.LossScaler` methods (``scale``, ``unscale_``, ``step``,
+        ``update``, ``get_scale``, ``state_dict``, ``load_state_dict``) on it, directly, with no
+        hook call per step. The built-in ``GradScalerKwargs`` answers with a
+        ``torch.amp.GradScaler`` under ``"fp16"``; another loss-scaling rule is a plugin
+        answering with its own object (docs/writing-plugins.md, "A precision backend").
 
         Args:
             device_type: device type the scaler works on (``torch.amp.GradScaler(device)``).
             mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
 
         Returns:
-            A ``torch.amp.GradScaler`` (or an object with the same ``scale``/``step``/
-            ``update``/``unscale_`` interface), or ``None`` for "not mine". If no plugin answers,
-            training runs without a scaler.
+            A :class:`kwplug.precision.LossScaler` (e.g. ``torch.amp.GradScaler``), or
+            ``None`` for "not mine". If no plugin answers, training runs without a scaler.
+
+        Raises:
+            TypeError: (raised by ``Accelerator.__init__``) the answer lacks a ``LossScaler``
+                method.
 
         Called by: ``Accelerator.__init__`` once. ``firstresult``: yes.
         """

@@ -1,9 +1,10 @@
 """The wrapper every optimizer prepared by an ``Accelerator`` goes through.
 
 :class:`AcceleratedOptimizer` skips ``step`` and ``zero_grad`` while gradients are being
-accumulated (``Accelerator.accumulate``), and steps through the gradient scaler under fp16.
-:class:`ScalerUpdates` makes the optimizers of one Accelerator share one
-``GradScaler.update()`` per training step.
+accumulated (``Accelerator.accumulate``), and steps through the loss scaler (the
+``make_scaler`` answer, a :class:`kwplug.precision.LossScaler`) when there is one.
+:class:`ScalerUpdates` makes the optimizers of one Accelerator share one ``update()`` of the
+loss scaler per training step. Only :class:`~kwplug.precision.LossScaler` methods are called.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kwplug.precision import LossScaler
 from kwplug.utils.structures import send_to_device
 
 
@@ -26,9 +28,11 @@ class SyncState(Protocol):
 
 
 class ScalerUpdates:
-    """Calls ``scaler.update()`` once per training step for every optimizer sharing it.
+    """Calls the loss scaler's ``update()`` once per training step for every optimizer sharing
+    it.
 
-    ``GradScaler.update`` must follow the ``scaler.step`` of *every* optimizer of the step:
+    ``update`` must follow the ``step`` of *every* optimizer of the step (as
+    ``torch.amp.GradScaler`` requires):
     updating after each one would unscale the next optimizer's gradients with a scale they
     were not multiplied by, grow the scale once per optimizer after a clean step and undo an
     overflow's back-off. The update runs when each member optimizer has stepped, or -- when
@@ -36,12 +40,16 @@ class ScalerUpdates:
     (:meth:`flush`: ``Accelerator.backward``, gradient clipping, or a second step of one
     optimizer).
 
+    Args:
+        backend: the shared :class:`~kwplug.precision.LossScaler` (e.g. a
+            ``torch.amp.GradScaler``).
+
     Attributes:
-        scaler: the shared ``torch.amp.GradScaler``.
+        backend: as given.
     """
 
-    def __init__(self, scaler: torch.amp.GradScaler) -> None:
-        self.scaler = scaler
+    def __init__(self, backend: LossScaler) -> None:
+        self.backend = backend
         self._members: set[int] = set()
         self._stepped: set[int] = set()
 
@@ -65,16 +73,21 @@ class ScalerUpdates:
         if self._stepped >= self._members:
             self.flush()
 
+    @property
+    def scaler(self) -> LossScaler:
+        """The earlier name of :attr:`backend` (kept readable)."""
+        return self.backend
+
     def flush(self) -> None:
-        """``scaler.update()`` if any optimizer stepped since the last update."""
+        """The loss scaler's ``update()`` if any optimizer stepped since the last update."""
         if self._stepped:
             self._stepped.clear()
-            self.scaler.update()
+            self.backend.update()
 
     def __getstate__(self) -> dict[str, Any]:
         # Members are kept by id(), which a copy does not share: each unpickled optimizer adds
         # itself again (AcceleratedOptimizer.__setstate__).
-        return {"scaler": self.scaler, "_members": set(), "_stepped": set()}
+        return {"backend": self.backend, "_members": set(), "_stepped": set()}
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
@@ -82,9 +95,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     ``step()`` and ``zero_grad()`` do nothing on the micro-batches of a gradient accumulation
     that do not end with an optimizer step (``gradient_state.sync_gradients`` false), as
-    Accelerate's ``AcceleratedOptimizer``. With a gradient scaler, ``step()`` is
-    ``scaler.step(optimizer)``: skipped when the scaled gradients hold inf/NaN
-    (:attr:`step_was_skipped`), with one ``scaler.update()`` per training step shared by every
+    Accelerate's ``AcceleratedOptimizer``. With a loss scaler, ``step()`` is its
+    ``step(optimizer)`` (:meth:`kwplug.precision.LossScaler.step`), which may skip the
+    optimizer's step -- ``torch.amp.GradScaler`` does when the scaled gradients hold inf/NaN
+    (:attr:`step_was_skipped`) -- with one ``update()`` per training step shared by every
     optimizer of the Accelerator (:class:`ScalerUpdates`). Every other attribute
     (``param_groups``, ``state``, ``state_dict``, ...) is the wrapped optimizer's.
 
@@ -97,7 +111,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             existing state (``state_dict()``, e.g. loaded before ``prepare``) is moved there
             (``optimizer.load_state_dict`` of the moved state, as Accelerate); ``False`` leaves
             it where it is.
-        scaler: the ``torch.amp.GradScaler`` (fp16), or ``None`` (default).
+        scaler: the :class:`~kwplug.precision.LossScaler` (``torch.amp.GradScaler`` under
+            fp16), or ``None`` (default).
         gradient_state: whether the current step synchronises gradients; ``None`` (default):
             every step does.
         scaler_updates: the :class:`ScalerUpdates` shared with the other optimizers using
@@ -107,7 +122,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     Attributes:
         optimizer: the wrapped optimizer.
-        scaler: the gradient scaler or ``None``.
+        scaler: the loss scaler or ``None``.
         gradient_state: as given.
     """
 
@@ -117,7 +132,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         device_placement: bool = True,
-        scaler: torch.amp.GradScaler | None = None,
+        scaler: LossScaler | None = None,
         gradient_state: SyncState | None = None,
         scaler_updates: ScalerUpdates | None = None,
         *,
@@ -145,8 +160,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def _follow_steps(self) -> None:
         assert self._updates is not None
         self._updates.add(self)
-        # GradScaler.step skips optimizer.step() on inf/NaN; a post-step hook (public torch
-        # API) tells whether it ran.
+        # A loss scaler skips a step by not calling optimizer.step() (GradScaler on
+        # inf/NaN); a post-step hook (public torch API) tells whether it ran.
         register = getattr(self.optimizer, "register_step_post_hook", None)
         if register is not None:
             register(self._record_step)
@@ -172,37 +187,40 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(  # type: ignore[override]
         self, closure: Callable[[], float] | None = None
     ) -> float | None:
-        """Step the wrapped optimizer, through the scaler when there is one; nothing on an
-        accumulation step that does not synchronise gradients."""
+        """Step the wrapped optimizer, through the loss scaler when there is one; nothing on
+        an accumulation step that does not synchronise gradients."""
         if not self._syncing:
             return None
-        if self.scaler is None or self._updates is None:
+        updates = self._updates
+        if updates is None:
             return self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        self._updates.stepping(self)
+        updates.stepping(self)
         self._ran = False
         result: float | None = (
-            self.scaler.step(self.optimizer)
+            updates.backend.step(self.optimizer)
             if closure is None
-            else self.scaler.step(self.optimizer, closure)
+            else updates.backend.step(self.optimizer, closure)
         )
         self._is_overflow = not self._ran
         self._unscaled = False
-        self._updates.stepped(self)
+        updates.stepped(self)
         return result
 
     def unscale_gradients(self) -> None:
-        """``scaler.unscale_(optimizer)`` once per optimizer step (later calls, and calls
-        without a scaler, do nothing)."""
-        if self.scaler is None or self._unscaled or self._updates is None:
+        """The loss scaler's ``unscale_(optimizer)`` once per optimizer step (later calls, and
+        calls without a loss scaler, do nothing)."""
+        updates = self._updates
+        if updates is None or self._unscaled:
             return
-        self._updates.stepping(self)  # a pending update belongs to the previous step
-        self.scaler.unscale_(self.optimizer)
+        updates.stepping(self)  # a pending update belongs to the previous step
+        updates.backend.unscale_(self.optimizer)
         self._unscaled = True
 
     @property
     def step_was_skipped(self) -> bool:
-        """True when the last synchronising ``step()`` was skipped by the gradient scaler
-        because the gradients held inf/NaN."""
+        """True when the last synchronising ``step()`` was skipped by the loss scaler (its
+        ``step`` did not call ``optimizer.step()``; ``torch.amp.GradScaler``: the gradients
+        held inf/NaN)."""
         return self._is_overflow
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:

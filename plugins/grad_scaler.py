@@ -1,4 +1,10 @@
-"""``GradScalerKwargs``: answers the ``make_scaler`` hook with ``torch.amp.GradScaler``."""
+"""``GradScalerKwargs``: answers the ``make_scaler`` hook with ``torch.amp.GradScaler``.
+
+``torch.amp.GradScaler`` is a :class:`kwplug.precision.LossScaler` as it is (its ``scale``,
+``unscale_``, ``step``, ``update``, ``get_scale``, ``state_dict`` and ``load_state_dict`` are
+the protocol's), so the answer is the scaler itself: ``Accelerator.scaler`` stays the
+``torch.amp.GradScaler`` Accelerate scripts read.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import torch
 
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import hookimpl
+from kwplug.precision import LossScaler
 from kwplug.validators import number, strict_bool
 
 
@@ -45,11 +52,12 @@ class GradScalerKwargs(KwargsHandler):
             raise ValueError(f"'{attribute.name}' must be < 1, got {value!r}")
 
     @hookimpl
-    def make_scaler(self, device_type: str, mixed_precision: str) -> torch.amp.GradScaler | None:
+    def make_scaler(self, device_type: str, mixed_precision: str) -> LossScaler | None:
         """A ``torch.amp.GradScaler(device_type, ...)`` for ``"fp16"``, else ``None``."""
         if mixed_precision != "fp16":
             return None
-        return torch.amp.GradScaler(
+        # Assigned to the protocol type so that mypy checks GradScaler implements it.
+        scaler: LossScaler = torch.amp.GradScaler(
             device_type,
             init_scale=self.init_scale,
             growth_factor=self.growth_factor,
@@ -57,3 +65,4 @@ class GradScalerKwargs(KwargsHandler):
             growth_interval=self.growth_interval,
             enabled=self.enabled,
         )
+        return scaler

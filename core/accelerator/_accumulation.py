@@ -254,16 +254,16 @@ class _GradientAccumulation:
         self.gradient_state.num_steps = value
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward(**kwargs)`` of ``loss / gradient_accumulation_steps``, through the
-        gradient scaler when there is one."""
+        """``loss.backward(**kwargs)`` of ``loss / gradient_accumulation_steps``, scaled by the
+        loss scaler (:meth:`kwplug.precision.LossScaler.scale`) when there is one."""
         if self.gradient_state.num_steps > 1:
             loss = loss / self.gradient_state.num_steps
         updates = self._prepared.scaler_updates
         if updates is None:
             loss.backward(**kwargs)  # type: ignore[no-untyped-call]
             return
-        updates.flush()  # the previous step's pending GradScaler.update()
-        updates.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]
+        updates.flush()  # the previous step's pending update() of the loss scaler
+        updates.backend.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -279,8 +279,8 @@ class _GradientAccumulation:
         return wrapped
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
-        """Unscale the gradients of prepared optimizers (fp16 gradient scaler), once per
-        optimizer step; nothing without a scaler.
+        """Unscale the gradients of prepared optimizers (the loss scaler's ``unscale_``), once per
+        optimizer step; nothing without a loss scaler.
 
         Args:
             optimizer: a prepared optimizer (or the optimizer it wraps), or a list of them;
@@ -326,8 +326,8 @@ class _GradientAccumulation:
             self.unscale_gradients()
             return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         norm = torch.nn.utils.clip_grad_norm_(parameters, float("inf"), norm_type=norm_type)
-        scaler = self._setup.scaler
-        return norm / scaler.get_scale() if scaler is not None else norm
+        backend = self._setup.scaler
+        return norm / backend.get_scale() if backend is not None else norm
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """``torch.nn.utils.clip_grad_value_`` of the unscaled gradients, on a synchronising

@@ -26,6 +26,7 @@ from kwplug.accelerator._setup import _Setup, resolve
 from kwplug.accelerator._tracking import LogWith, _Trackers
 from kwplug.comm_hooks import CommHook
 from kwplug.handler import KwargsHandler
+from kwplug.precision import LossScaler
 from kwplug.utils.dataclasses import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
@@ -83,7 +84,8 @@ class Accelerator(
         device: the ``torch.device`` this process trains on (``device_type``: its type).
         num_processes: ``WORLD_SIZE``; ``process_index`` / ``local_process_index``: the
             global / node-local rank.
-        scaler: the ``torch.amp.GradScaler`` (fp16), or ``None``.
+        scaler: the ``make_scaler`` answer, a :class:`kwplug.precision.LossScaler`
+            (``torch.amp.GradScaler`` under fp16 with the built-in handler), or ``None``.
         comm_hooks: the named DDP communication hooks merged at construction.
         handlers: the checked ``kwargs_handlers``; ``plugin_manager``: this Accelerator's own
             ``KwplugPluginManager`` (a ``pluggy.PluginManager``).
@@ -156,7 +158,7 @@ class Accelerator(
         self.process_index: int = setup.process.rank
         self.local_process_index: int = setup.process.local_rank
         self.comm_hooks: dict[str, CommHook] = setup.comm_hooks
-        self.scaler: torch.amp.GradScaler | None = setup.scaler
+        self.scaler: LossScaler | None = setup.scaler
         self.dataloader_config: DataLoaderConfiguration = options.dataloader_config
         self.project_configuration: ProjectConfiguration = options.project_configuration
         self.log_with: list[Any] = options.log_with

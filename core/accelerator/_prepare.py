@@ -99,8 +99,8 @@ class _Prepared:
         return self.gradient_state.loaders
 
     def __attrs_post_init__(self) -> None:
-        scaler = self.setup.scaler
-        self.scaler_updates = None if scaler is None else ScalerUpdates(scaler)
+        backend = self.setup.scaler
+        self.scaler_updates = None if backend is None else ScalerUpdates(backend)
 
     dataloader_config: DataLoaderConfiguration = attrs.field(
         default=None,
@@ -258,7 +258,7 @@ class _Prepared:
         self.schedulers.clear()
         self.custom_objects.clear()
         if self.scaler_updates is not None:
-            self.scaler_updates = ScalerUpdates(self.scaler_updates.scaler)
+            self.scaler_updates = ScalerUpdates(self.scaler_updates.backend)
 
 
 def _is_scheduler(obj: Any) -> bool:

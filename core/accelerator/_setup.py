@@ -23,6 +23,7 @@ from kwplug.accelerator._required import require_features
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import AutocastFactory
+from kwplug.precision import LossScaler, check_loss_scaler
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,9 @@ class _Setup:
         comm_hooks: the merged named DDP communication hooks (passed to ``wrap_model``).
         autocast_factory: builds the autocast context (``contextlib.nullcontext`` when no
             plugin answered).
-        scaler: the ``torch.amp.GradScaler``, or ``None``. It holds training state (the
-            scale), so it belongs to one run.
+        scaler: the ``make_scaler`` answer (a :class:`kwplug.precision.LossScaler`, e.g. a
+            ``torch.amp.GradScaler``), or ``None``. It holds training state (the scale), so
+            it belongs to one run.
         answers: who answered each set-up ``firstresult`` hook, in call order.
     """
 
@@ -54,7 +56,7 @@ class _Setup:
     device: torch.device
     comm_hooks: dict[str, CommHook]
     autocast_factory: AutocastFactory
-    scaler: torch.amp.GradScaler | None
+    scaler: LossScaler | None
     answers: Mapping[str, Answer]
 
 
@@ -65,6 +67,7 @@ def resolve(
     order (docs/architecture.md, "Life of an Accelerator").
 
     Raises:
+        TypeError: the ``make_scaler`` answer is not a :class:`kwplug.precision.LossScaler`.
         ValueError: ``mixed_precision`` is not one of :data:`MIXED_PRECISION`; two handlers
             share a class; a torchrun variable is malformed.
         TypeError: ``cpu`` is not a bool; ``kwargs_handlers`` holds a non-handler.
@@ -108,9 +111,10 @@ def resolve(
         ).result
         or contextlib.nullcontext
     )
-    scaler: torch.amp.GradScaler | None = plugins.call_first(
+    scaling = plugins.call_first(
         "make_scaler", device_type=device.type, mixed_precision=mixed_precision
-    ).result
+    )
+    loss_scaler = check_loss_scaler(scaling.result, plugins.describe(scaling.plugin or ""))
     require_features(plugins, mixed_precision, info.world_size, device.type)
     logger.debug(
         "Accelerator on %s, rank %d/%d, mixed_precision=%s, plugins: %s",
@@ -128,7 +132,7 @@ def resolve(
         device=device,
         comm_hooks=comm_hooks,
         autocast_factory=autocast_factory,
-        scaler=scaler,
+        scaler=loss_scaler,
         answers=dict(plugins.plan),
     )
 

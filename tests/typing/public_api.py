@@ -26,6 +26,7 @@ from kwplug import (
     hookimpl,
 )
 from kwplug.hookspecs import AutocastFactory
+from kwplug.precision import LossScaler
 
 
 @attrs.define
@@ -48,6 +49,40 @@ class BackendAutocastKwargs(KwargsHandler):
         return {"mine": CommHook("mine", hook)}
 
 
+class StaticScale:
+    """A third-party precision backend: a fixed loss scale (mypy checks it is a LossScaler)."""
+
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor:
+        return outputs * 128.0
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        del optimizer
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return optimizer.step(*args, **kwargs)
+
+    def update(self) -> None:
+        pass
+
+    def get_scale(self) -> float:
+        return 128.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        del state_dict
+
+
+@attrs.define
+class StaticScaleKwargs(KwargsHandler):
+    """A third-party handler answering ``make_scaler`` with its own backend."""
+
+    @hookimpl
+    def make_scaler(self, device_type: str, mixed_precision: str) -> LossScaler | None:
+        return StaticScale() if mixed_precision == "fp16" else None
+
+
 def train() -> None:
     handlers: list[KwargsHandler] = [
         AutocastKwargs(enabled=True, cache_enabled=None),
@@ -62,7 +97,8 @@ def train() -> None:
     accelerator = Accelerator(mixed_precision="bf16", cpu=True, kwargs_handlers=handlers)
     device: torch.device = accelerator.device
     rank: int = accelerator.process_index
-    scaler: torch.amp.GradScaler | None = accelerator.scaler
+    scaler: LossScaler | None = accelerator.scaler
+    builtin: LossScaler = torch.amp.GradScaler("cpu")  # the built-in answer fits the protocol
     model = accelerator.prepare(torch.nn.Linear(4, 4))
     ctx: AbstractContextManager[Any] = accelerator.autocast()
     with ctx:
@@ -71,7 +107,7 @@ def train() -> None:
     total: torch.Tensor = accelerator.reduce(loss.detach(), "mean")
     answer: Answer = accelerator.plan["autocast"]
     kwargs: dict[str, Any] = handlers[1].to_kwargs()
-    del rank, scaler, total, answer, kwargs
+    del rank, scaler, builtin, total, answer, kwargs
     kwplug.register_comm_hook("noop", lambda state, bucket: torch.futures.Future())
     accelerator.save_state("ckpt")
     accelerator.end_training()
