@@ -99,7 +99,7 @@ def _providers(
                 found.append((who, f"answered None for device type {device_type!r}"))
             elif record.builtin and record.name == builtin:
                 found.append((who, "is loaded but not registered (register_default is false)"))
-        elif record.builtin and record.name == builtin or not record.builtin:
+        elif (record.builtin and record.name == builtin) or not record.builtin:
             reason = _WHY.get(record.status, record.status)
             detail = f": {record.error}" if record.error else ""
             found.append((who, f"{reason}{detail}"))
