@@ -5,6 +5,7 @@
   ``Accelerator(cpu=True, kwargs_handlers=[5 handlers])`` -- handler classes imported and
   instantiated, entry-point discovery included.
 - Repeated construction of the same Accelerator (5 handlers) in one process, interleaved.
+- ``end_training()`` on one ``Accelerator(cpu=True)`` without a process group, in one process.
 - The ``kwplug plugins`` command (``python -m kwplug plugins``, a whole process, wall clock)
   against ``python -c "import torch"`` (the raw column: the floor every kwplug command pays).
 
@@ -143,6 +144,24 @@ def make_constructor(impl: str) -> Callable[[int], None]:
     return construct
 
 
+def make_end_training(impl: str) -> Callable[[int], None]:
+    """``n`` calls of ``end_training()`` on one ``Accelerator(cpu=True)`` of ``impl`` (one
+    process, no process group, no trackers)."""
+    if impl == "kwplug":
+        import kwplug as module
+    else:
+        import accelerate as module
+
+    accelerator = module.Accelerator(cpu=True)
+
+    def end(n: int) -> None:
+        for _ in range(n):
+            accelerator.end_training()
+
+    end(1)
+    return end
+
+
 def run(quick: bool, with_accelerate: bool) -> Result:
     """Measure import, first and repeated construction; see the module docstring."""
     frameworks = ["kwplug"] + (["accelerate"] if with_accelerate else [])
@@ -185,6 +204,13 @@ def run(quick: bool, with_accelerate: bool) -> Result:
         blocks = {impl: block(fn, n) for impl, fn in constructors.items()}
         repeated = interleave(blocks, reps=3 if quick else 31, warmup=1)
     result.rows.append(timing_row("repeated Accelerator(5 handlers)", repeated))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        enders = {impl: block(make_end_training(impl), n) for impl in frameworks}
+        ends = interleave(enders, reps=3 if quick else 31, warmup=1)
+    result.rows.append(
+        timing_row("end_training() (one process, no group)", ends, note="issue 20: <= 1 ms")
+    )
 
     cli_blocks = {
         "raw": functools.partial(cli_process, ["-c", "import torch"]),
@@ -201,11 +227,12 @@ def run(quick: bool, with_accelerate: bool) -> Result:
         )
     )
 
-    import_row, first_row, _total_row, repeated_row, cli_row = result.rows
+    import_row, first_row, _total_row, repeated_row, end_row, cli_row = result.rows
     result.targets = [
         Target("import kwplug (torch loaded)", _num(import_row.kwplug), "<=", 20, "ms"),
         Target("first Accelerator(5 handlers)", _num(first_row.kwplug), "<=", 3, "ms"),
         Target("repeated Accelerator(5 handlers)", _num(repeated_row.kwplug), "<=", 50, "µs"),
+        Target("end_training() without a group", _num(end_row.kwplug), "<=", 1000, "µs"),
         Target("kwplug plugins over import torch", cli_row.kwplug_extra, "<=", 500, "ms"),
     ]
     if isinstance(first_row.accelerate, float):  # issue 13: first Accelerator <= Accelerate's

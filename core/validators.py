@@ -52,6 +52,23 @@ class _Number:
         return " and ".join(f"{op}{bound:g}" for op, bound in limits if bound is not None)
 
     def __call__(self, instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        # Every hook call re-validates each handler (kwplug._plugins._manager.revalidate):
+        # the common case -- an in-range int or float -- is checked before any message or
+        # label is built.
+        if type(value) is int or (type(value) is float and not self.integer):
+            number = cast(float, value)
+            if (
+                (not self.finite or math.isfinite(number))
+                and (self.gt is None or number > self.gt)
+                and (self.ge is None or number >= self.ge)
+                and (self.lt is None or number < self.lt)
+                and (self.le is None or number <= self.le)
+            ):
+                return
+        self._fail(attribute, value)
+
+    def _fail(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        # The full check, with messages (subclasses of int and float take this path too).
         label = _label(attribute)
         kinds: tuple[type, ...] = (int,) if self.integer else (int, float)
         if isinstance(value, bool) or not isinstance(value, kinds):

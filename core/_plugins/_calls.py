@@ -17,6 +17,7 @@ hooks; nothing here runs per training step.
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -107,16 +108,20 @@ def record(
 # HookImpl's attributes, copied one by one: several times faster than copy.copy, which goes
 # through __reduce_ex__ (hook calls and manager copies make several per Accelerator).
 _IMPL_SLOTS: tuple[str, ...] | None = getattr(pluggy.HookImpl, "__slots__", None)
+# All slots read in one C call (a getter of two or more names returns a tuple).
+_impl_values: Callable[[pluggy.HookImpl], tuple[Any, ...]] | None = (
+    operator.attrgetter(*_IMPL_SLOTS) if _IMPL_SLOTS and len(_IMPL_SLOTS) > 1 else None
+)
 
 
 def copy_impl(impl: pluggy.HookImpl, plugin: Any, function: Callable[..., Any]) -> pluggy.HookImpl:
     """A copy of ``impl`` (same options and argument names) for ``plugin`` and ``function``."""
-    if _IMPL_SLOTS is None:  # a pluggy without __slots__ on HookImpl
+    if _IMPL_SLOTS is None or _impl_values is None:  # a pluggy without __slots__ on HookImpl
         twin = copy.copy(impl)
     else:
         twin = object.__new__(pluggy.HookImpl)
-        for name in _IMPL_SLOTS:
-            object.__setattr__(twin, name, getattr(impl, name))
+        for name, value in zip(_IMPL_SLOTS, _impl_values(impl), strict=True):
+            object.__setattr__(twin, name, value)
     # HookImpl's attributes are Final for type checkers; this copy is ours to change.
     object.__setattr__(twin, "plugin", plugin)
     object.__setattr__(twin, "function", function)

@@ -20,6 +20,7 @@ An unknown name is a :class:`~kwplug.errors.PluginLoadWarning` listing the known
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Iterable, Mapping
@@ -57,6 +58,21 @@ def _strict(environ: Mapping[str, str]) -> bool:
         f"{STRICT_ENV}={environ[STRICT_ENV]!r} is not understood; set it to one of "
         f"{', '.join(sorted(_TRUE))} (strict) or {', '.join(sorted(_FALSE - {''}))} "
         "(warn and skip), or unset it"
+    )
+
+
+_CONTROL_ENVS = (DISABLE_AUTOLOAD_ENV, ALLOW_ENV, BLOCK_ENV, STRICT_ENV)
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_controls(raw: tuple[str | None, ...]) -> LoadControls:
+    # Only successful parses are cached: lru_cache does not store a call that raised.
+    env = {name: value for name, value in zip(_CONTROL_ENVS, raw, strict=True) if value is not None}
+    return LoadControls(
+        builtins_only=_disabled(env),
+        allow=_names(env.get(ALLOW_ENV)),
+        block=_names(env.get(BLOCK_ENV)) or frozenset(),
+        strict=_strict(env),
     )
 
 
@@ -113,12 +129,12 @@ class LoadControls:
                 ``off``, empty).
         """
         env = os.environ if environ is None else environ
-        return cls(
-            builtins_only=_disabled(env),
-            allow=_names(env.get(ALLOW_ENV)),
-            block=_names(env.get(BLOCK_ENV)) or frozenset(),
-            strict=_strict(env),
-        )
+        # Read the four raw values every time (a script or test may change them between
+        # Accelerators); parsing them is memoised on those exact strings, so the answer is
+        # the same as parsing afresh, and an invalid value raises on every call.
+        raw = tuple(env.get(name) for name in _CONTROL_ENVS)
+        controls = _parse_controls(raw)
+        return controls if cls is LoadControls else cls(**attrs.asdict(controls, recurse=False))
 
     def status(self, name: str, distribution: str, builtin: bool) -> str | None:
         """``"blocked"``, ``"disabled"``, or ``None`` when the plugin is to be loaded."""

@@ -4,6 +4,7 @@ To add a built-in hook, add a :class:`BuiltinHook` row to :data:`BUILTIN_HOOKS` 
 ``kwplug.plugins.ddp.DDPCommunicationHookType``, which a test keeps equal to this table).
 """
 
+import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -107,4 +108,12 @@ def builtin_comm_hooks() -> dict[str, CommHook]:
     group), ``"power_sgd"`` (torch's per-tensor ``powerSGD_hook``) and ``"batched_power_sgd"``
     (state from :func:`~kwplug.plugins.ddp_comm_hooks.make_power_sgd_state`).
     """
-    return {h.name: h.record() for h in BUILTIN_HOOKS}
+    return dict(_builtin_records())
+
+
+@functools.cache
+def _builtin_records() -> tuple[tuple[str, CommHook], ...]:
+    # Built once per process: BUILTIN_HOOKS is a tuple of frozen rows and a CommHook is frozen
+    # (its training state comes from make_state, per DDP model), so every Accelerator can
+    # share the records; each caller still gets its own dict.
+    return tuple((h.name, h.record()) for h in BUILTIN_HOOKS)
