@@ -53,15 +53,9 @@ PENDING: dict[str, str] = {
     "test_script.py::test_trigger": "import",
     "test_script.py::test_reinstantiated_state": "import; then kwplug.utils.is_pytest_available, AcceleratorState",
     "test_script.py::<main>": "import; then accelerator.state.wait_for_everyone / destroy_process_group",
-    # --- test_distributed_data_loop.py: import: `from kwplug.accelerator import DataLoaderConfiguration` (kwplug.accelerator re-exports Accelerator only)
-    "test_distributed_data_loop.py::test_default_ensures_even_batch_sizes": "import",
-    "test_distributed_data_loop.py::test_can_disable_even_batches": "import",
+    # --- test_distributed_data_loop.py: imports; what each check meets (kwplug.accelerator serves DataLoaderConfiguration since this stop)
     "test_distributed_data_loop.py::test_join_raises_warning_for_non_ddp_distributed": "import; then accelerator.state.distributed_type cannot be assigned (kwplug's state is frozen), so join sees MULTI_CPU and warns nothing",
     "test_distributed_data_loop.py::test_pickle_accelerator": "import; then pickle.dumps(accelerator): TypeError: cannot pickle 'module' object",
-    "test_distributed_data_loop.py::test_data_loader": "import",
-    "test_distributed_data_loop.py::test_data_loader#2": "import",
-    "test_distributed_data_loop.py::test_data_loader#3": "import",
-    "test_distributed_data_loop.py::test_data_loader#4": "import",
     "test_distributed_data_loop.py::<main>": "import; then assigning accelerator.state.distributed_type (frozen state)",
     # --- test_metrics.py: import: `from kwplug.data_loader import DataLoaderDispatcher` (kwplug.data_loader, issue 17 item 2)
     "test_metrics.py::test_torch_metrics(99)": "import; then DataLoaderConfiguration(dispatch_batches=True) is a ValueError (it ends main's loop, so the 4 split/dispatch runs do not run)",
