@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from kwplug import _forked
 from kwplug.testing.distributed import child_environment, free_port
 
 
@@ -19,15 +21,20 @@ def torchrun(
     torchrun_args: Sequence[str] = (),
     check: bool = True,
     elastic: bool = False,
+    cli: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m torch.distributed.run --nproc-per-node nproc script *args``.
 
-    One thread per process (OMP_NUM_THREADS=1) so two ranks share two cores fairly. With
-    ``elastic``, rendezvous goes through torchrun's c10d backend (``--rdzv-backend c10d``),
-    which restarted workers (``--max-restarts``) need: the static master-address rendezvous
-    can leave a restarted gloo group waiting for the previous attempt's peers. Raises
-    ``AssertionError`` with both output streams when ``check`` and the run failed, and
-    ``subprocess.TimeoutExpired`` after ``timeout`` seconds (the process tree is killed).
+    One thread per process (OMP_NUM_THREADS=1) so two ranks share two cores fairly. By
+    default torch's elastic agent starts the ranks from a server that imported torch once
+    (``kwplug.testing.run_torchrun``: the same ranks, environment and exit status, in a
+    fraction of the start-up time). The command line runs instead with ``torchrun_args``,
+    with ``elastic`` (rendezvous through torchrun's c10d backend, which restarted workers
+    need: the static rendezvous can leave a restarted gloo group waiting for the previous
+    attempt's peers), or with ``cli`` (what happens when a real interpreter exits is under
+    test). Raises ``AssertionError`` with both output streams when ``check`` and the run
+    failed, and ``subprocess.TimeoutExpired`` after ``timeout`` seconds (the ranks are
+    killed).
     """
     port = free_port()
     rendezvous = (
@@ -46,9 +53,25 @@ def torchrun(
         *args,
     ]
     full_env = child_environment(env)
-    result = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=full_env, check=False
-    )
+    if cli or elastic or torchrun_args:
+        result = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=full_env, check=False
+        )
+    else:
+        with tempfile.TemporaryDirectory(prefix="kwplug-torchrun-") as folder:
+            done = _forked.launch(
+                "script",
+                str(script),
+                [str(a) for a in args],
+                nproc=nproc,
+                port=port,
+                env=full_env,
+                timeout=timeout,
+                folder=Path(folder),
+            )
+        if done.timed_out:
+            raise subprocess.TimeoutExpired(cmd, timeout, output=done.stdout, stderr=done.stderr)
+        result = subprocess.CompletedProcess(cmd, done.returncode, done.stdout, done.stderr)
     if check and result.returncode != 0:
         raise AssertionError(
             f"torchrun failed ({result.returncode}): {' '.join(cmd)}\n"

@@ -154,6 +154,7 @@ class PreparedDataLoader(DataLoader[Any]):
         self._skip = 0
         self._restore: dict[str, Any] | None = None
         self._epoch_start: dict[str, Any] = {}
+        self._epoch_sent = False
 
     @property
     def total_batch_size(self) -> int | None:
@@ -180,6 +181,7 @@ class PreparedDataLoader(DataLoader[Any]):
         that have a ``set_epoch`` (a custom batch sampler's included)."""
         self.epoch, self.batches_yielded, self._skip, self._restore = epoch, 0, 0, None
         self._set_epoch_everywhere(epoch)
+        self._epoch_sent = True  # the next iteration need not pass it again
 
     def skip_first_batches(self, num_batches: int) -> None:
         """Start the next iteration at batch ``num_batches``, as Accelerate's resume idiom.
@@ -298,7 +300,9 @@ class PreparedDataLoader(DataLoader[Any]):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         skip, self._skip = self._skip, 0
-        self._set_epoch_everywhere(self.epoch)
+        if not self._epoch_sent:  # each epoch reaches the samplers once
+            self._set_epoch_everywhere(self.epoch)
+        self._epoch_sent = False
         if isinstance(self.batch_sampler, SkippableBatches):
             self.batch_sampler.skip, dropped = skip, 0
         else:  # an iterable data set: the skipped batches are read and dropped
@@ -313,7 +317,8 @@ class PreparedDataLoader(DataLoader[Any]):
         finally:
             if self.tracker is not None:
                 self.tracker.end(self)
-        self.set_epoch(self.epoch + 1)
+        # The next epoch reaches the samplers when it starts (or at the user's set_epoch).
+        self.epoch, self.batches_yielded, self._restore = self.epoch + 1, 0, None
         for callback in self.on_end:
             callback(self)
 

@@ -6,7 +6,8 @@ Enable the pytest fixtures in a plugin's ``conftest.py`` with
 or keeps, ``KWPLUG_*`` variables cleared); ``kwplug_plugin_manager`` is the
 ``pluggy.PluginManager`` built in that sandbox. :func:`check_handler` is the conformance check
 of a handler class, :func:`run_distributed` calls a function in N CPU processes under
-torchrun (gloo), and :func:`run_script` runs a script there. The fixtures need pytest
+torchrun (gloo), :func:`run_script` runs a script there and :func:`run_torchrun` returns such
+a job's exit status and output. The fixtures need pytest
 (``pip install "kwplug[testing]"``).
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from kwplug.errors import DistributedRunError
 from kwplug.testing.conformance import check_handler, conformance_problems
-from kwplug.testing.distributed import free_port, run_distributed, run_script
+from kwplug.testing.distributed import free_port, run_distributed, run_script, run_torchrun
 from kwplug.testing.fixtures import kwplug_plugin_manager, kwplug_plugins
 from kwplug.testing.sandbox import PluginSandbox
 
@@ -28,4 +29,5 @@ __all__ = [
     "kwplug_plugins",
     "run_distributed",
     "run_script",
+    "run_torchrun",
 ]

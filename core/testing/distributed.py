@@ -1,9 +1,12 @@
 """Run a function in N CPU processes under ``torchrun`` (gloo on 127.0.0.1), bounded in time.
 
-This is PyTorch's own launcher (``python -m torch.distributed.run``) with a static rendezvous on
-a free local port; kwplug adds only the plumbing a test needs: the function is named by its
-import path, its arguments and every rank's return value travel as pickles through a temporary
-folder, and a failure or a timeout raises with what each rank printed.
+This is PyTorch's own launcher -- its elastic agent, which ``python -m torch.distributed.run``
+runs, with a static rendezvous on a free local port -- started in the calling process with the
+ranks forked from a server that imported torch once (``kwplug._forked``), or the
+``torchrun`` command line when torchrun options are given. kwplug adds only the plumbing a test
+needs: the function is named by its import path, its arguments and every rank's return value
+travel as pickles through a temporary folder, and a failure or a timeout raises with what each
+rank printed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kwplug import _forked
 from kwplug.errors import DistributedRunError
 from kwplug.testing.sandbox import active_environment
 
@@ -128,6 +132,76 @@ def _stop(proc: subprocess.Popen[str]) -> None:
             continue
 
 
+def run_torchrun(
+    target: Sequence[str],
+    *,
+    nproc: int = 2,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    torchrun_args: Sequence[str] = (),
+    cwd: str | None = None,
+    folder: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``target`` (``["script.py", *args]`` or ``["-m", "module", *args]``) in ``nproc``
+    ranks as ``torchrun`` would (gloo-ready torchrun variables, 127.0.0.1, a free port, one
+    thread per process) and return its exit status and output; a failure is not raised.
+
+    Without ``torchrun_args``, the ranks are started by torch's elastic agent
+    (``torch.distributed.launcher.api.elastic_launch``, what ``torchrun`` runs) in this
+    process, forked from a server that imported torch once: a job starts in a fraction of a
+    second instead of the seconds three fresh interpreters spend importing torch. Each rank's
+    environment, import path, ``sys.argv``, working folder, exit handlers and exit status are
+    those of the process torchrun would have started (``kwplug._forked``). With
+    ``torchrun_args`` (restarts, another rendezvous), the ``python -m torch.distributed.run``
+    command line runs instead.
+
+    Args:
+        target: the script and its arguments, or ``"-m"``, a module name and its arguments.
+        nproc: number of ranks (``--nproc-per-node``), default 2.
+        timeout: seconds for the whole job (default 120); then the ranks are killed.
+        env: extra environment variables (on top of :func:`child_environment`).
+        torchrun_args: extra torchrun options; any forces the torchrun command line.
+        cwd: the ranks' working folder (default: this process's).
+        folder: where the ranks' logs go (default: a temporary folder, removed after).
+
+    Returns:
+        ``CompletedProcess`` with torchrun's exit status (0, or 1 when a rank failed) and,
+        in ``stdout``, what the ranks wrote to stdout and stderr.
+
+    Raises:
+        ValueError: ``nproc < 1`` or an empty ``target``.
+        DistributedRunError: the job ran past ``timeout`` (the message holds its output).
+    """
+    cmd = torchrun_command(target, nproc=nproc, torchrun_args=torchrun_args)
+    full_env = child_environment(env)
+    if torchrun_args:
+        return run_bounded(cmd, timeout=timeout, env=full_env, cwd=cwd)
+    if not target or (target[0] == "-m" and len(target) < 2):
+        raise ValueError(f"target must name a script or '-m module', got {list(target)!r}")
+    module = target[0] == "-m"
+    mode: _forked.Mode = "module" if module else "script"
+    name, argv = (target[1], target[2:]) if module else (target[0], target[1:])
+    with contextlib.ExitStack() as stack:
+        where = folder or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kwplug-")))
+        finished = _forked.launch(
+            mode,
+            os.fspath(name),
+            [os.fspath(a) for a in argv],
+            nproc=nproc,
+            port=free_port(),
+            env=full_env,
+            timeout=timeout,
+            folder=where,
+            cwd=cwd,
+        )
+    if finished.timed_out:
+        raise DistributedRunError(
+            f"timed out after {timeout:g} s: {' '.join(cmd)}\n--- output ---\n"
+            f"{finished.output[-8000:]}"
+        )
+    return subprocess.CompletedProcess(cmd, finished.returncode, finished.output, "")
+
+
 def run_script(
     script: str | os.PathLike[str],
     *args: str,
@@ -149,13 +223,16 @@ def run_script(
         DistributedRunError: the job exited with an error or ran past ``timeout`` seconds
             (the message holds the output).
     """
-    cmd = torchrun_command([os.fspath(script), *args], nproc=nproc, torchrun_args=torchrun_args)
-    result = run_bounded(
-        cmd, timeout=timeout, env=child_environment({**active_environment(), **(env or {})})
+    result = run_torchrun(
+        [os.fspath(script), *args],
+        nproc=nproc,
+        timeout=timeout,
+        env={**active_environment(), **(env or {})},
+        torchrun_args=torchrun_args,
     )
     if result.returncode != 0:
         raise DistributedRunError(
-            f"{' '.join(cmd)} exited with status {result.returncode}\n--- output ---\n"
+            f"{' '.join(result.args)} exited with status {result.returncode}\n--- output ---\n"
             f"{result.stdout[-8000:]}",
             returncode=result.returncode,
         )
@@ -201,7 +278,8 @@ def run_distributed(
 
     Each process has torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` set
     (a ``kwplug.Accelerator`` built in ``fn`` joins a gloo process group); the process group,
-    if any, is destroyed after ``fn`` returns.
+    if any, is destroyed after ``fn`` returns. The ranks start as :func:`run_torchrun` starts
+    them: in well under a second, torch already imported, everything else imported afresh.
 
     Args:
         fn: a module-level function (importable by a new interpreter, e.g. defined in a test
@@ -212,7 +290,7 @@ def run_distributed(
         env: extra environment variables for the job. Inside an active
             :class:`~kwplug.testing.PluginSandbox` (the ``kwplug_plugins`` fixture), the ranks
             see the sandbox's plugins (see :meth:`PluginSandbox.environment`).
-        torchrun_args: extra torchrun options.
+        torchrun_args: extra torchrun options (they run the ``torchrun`` command line).
 
     Returns:
         ``fn``'s return values, indexed by rank.
@@ -226,17 +304,17 @@ def run_distributed(
     with tempfile.TemporaryDirectory(prefix="kwplug-run-") as tmp:
         folder = Path(tmp)
         (folder / "call.pkl").write_bytes(pickle.dumps((target, args)))
-        cmd = torchrun_command(
-            ["-m", "kwplug.testing._worker", str(folder)],
-            nproc=nproc,
-            torchrun_args=torchrun_args,
-        )
         # Inside a PluginSandbox, the ranks see the sandbox's plugins, not the environment's.
         sandbox = active_environment()
         path = [root, sandbox.get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")]
         child_env = {**sandbox, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-        result = run_bounded(
-            cmd, timeout=timeout, env=child_environment({**child_env, **(env or {})})
+        result = run_torchrun(
+            ["-m", "kwplug.testing._worker", str(folder)],
+            nproc=nproc,
+            timeout=timeout,
+            env={**child_env, **(env or {})},
+            torchrun_args=torchrun_args,
+            folder=folder,
         )
         # The first traceback written is the cause; the others are usually its echo (peers
         # losing their connection to the rank that died).

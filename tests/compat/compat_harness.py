@@ -22,9 +22,7 @@ from typing import Literal
 
 from kwplug.testing.distributed import (
     DistributedRunError,
-    child_environment,
-    run_bounded,
-    torchrun_command,
+    run_torchrun,
 )
 
 Library = Literal["accelerate", "kwplug"]
@@ -234,11 +232,8 @@ def run_script(script: Script, library: Library, work: Path, *, lenient: bool = 
         target += ["--check-timeout", str(CHECK_TIMEOUT), "--stand-in", ",".join(script.stand_ins)]
         before = len(run.checks)
         try:
-            result = run_bounded(
-                torchrun_command(target, nproc=NPROC),
-                timeout=RUN_TIMEOUT,
-                env=child_environment(env),
-                cwd=str(folder),
+            result = run_torchrun(
+                target, nproc=NPROC, timeout=RUN_TIMEOUT, env=env, cwd=str(folder)
             )
             run.output = result.stdout[-6000:]
         except DistributedRunError as error:

@@ -10,16 +10,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from kwplug import _forked
 from kwplug.testing.distributed import (
     DistributedRunError,
     child_environment,
-    run_bounded,
+    run_torchrun,
     torchrun_command,
 )
 
@@ -171,6 +174,26 @@ def script_for(scenario: Scenario, system: System, folder: Path) -> Path:
     return copy
 
 
+def _single(
+    target: Sequence[str], *, timeout: float, env: Mapping[str, str], cwd: Path
+) -> subprocess.CompletedProcess[str]:
+    """``python script *args`` as one process forked from the server that imported torch
+    (``kwplug._forked``), stdout and stderr together."""
+    with tempfile.TemporaryDirectory(prefix="parity-") as folder:
+        done = _forked.run_single(
+            "script",
+            target[0],
+            target[1:],
+            env=env,
+            timeout=timeout,
+            folder=Path(folder),
+            cwd=str(cwd),
+        )
+    if done.timed_out:
+        raise DistributedRunError(f"timed out after {timeout:g} s\n{done.output[-8000:]}")
+    return subprocess.CompletedProcess([sys.executable, *target], done.returncode, done.output)
+
+
 def run_scenario(
     scenario: Scenario,
     system: System,
@@ -203,11 +226,16 @@ def run_scenario(
         args = [a.replace("{work}", str(work)) for a in arguments] + ["--cpu"]
         out = work / f"record{step}"
         target = [str(script), *args]
+        run_env = {**env, "PARITY_OUT": str(out)}
         command = [sys.executable, *target] if nproc == 1 else torchrun_command(target, nproc=nproc)
         try:
-            done = run_bounded(
-                command, timeout=timeout, env={**env, "PARITY_OUT": str(out)}, cwd=str(work)
-            )
+            if nproc == 1:
+                done = _single(target, timeout=timeout, env=run_env, cwd=work)
+            else:
+                done = run_torchrun(
+                    target, nproc=nproc, timeout=timeout, env=run_env, cwd=str(work)
+                )
+                command = list(done.args)
             returncode, output = done.returncode, done.stdout
         except DistributedRunError as error:
             returncode, output = -9, str(error)

@@ -1,0 +1,326 @@
+"""Start test processes from a server that has already imported torch.
+
+A fresh interpreter spends seconds importing torch before it runs a line of a test; a test
+suite that starts hundreds of torchrun jobs spends most of its time there. Here the ranks are
+started by torch's own elastic agent (``torch.distributed.launcher.api.elastic_launch``, the
+agent ``torchrun`` runs, with torchrun's static rendezvous on a free 127.0.0.1 port) with
+``start_method="forkserver"``: each rank is forked from Python's forkserver, which imported
+torch once (``multiprocessing.set_forkserver_preload``). Nothing else the caller imported is
+there, so each rank imports kwplug, plugins and the test code afresh, as a new process would.
+
+Before the job runs, each rank is made to look like the process torchrun would have started:
+its environment is exactly the caller's (plus torchrun's variables, which the agent sets), its
+import path is a new interpreter's (``PYTHONPATH`` first), ``sys.argv`` and the working folder
+are the job's, exit handlers run at the end, and its exit status is the script's. What cannot
+be the same: the modules torch imports are already imported, and ``OMP_NUM_THREADS`` is 1 for
+torch's thread pool (set when the server started; the child environment asks for 1 anyway).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import logging
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+#: Imported once by the forkserver, so that no rank pays for it again.
+_PRELOAD = ["torch", "torch.distributed"]
+
+#: What torch's elastic agent sets in a rank's environment (kept when the caller's is applied).
+_AGENT_VARIABLES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    }
+)
+
+#: torchrun's default ``--signals-to-handle``.
+_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+class _ThreadWarning(logging.Filter):
+    """Drops torch's warning that an agent off the main thread installs no signal handlers:
+    that is the point here (the ranks are stopped by the timeout, not by signals)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "child thread" not in record.getMessage()
+
+
+_FILTER = _ThreadWarning()
+_server_lock = threading.Lock()
+_baseline: list[str] = []
+
+Mode = Literal["script", "module"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What each rank runs: ``python <script> *argv`` or ``python -m <module> *argv``."""
+
+    mode: Mode
+    target: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str | None
+    folder: str
+    baseline: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A job's end: torchrun's exit status (0, or 1 when a rank failed), what the ranks wrote
+    to stdout and to stderr (rank by rank; stderr ends with torchrun's summary of a failure),
+    and whether it ran past its timeout."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+
+    @property
+    def output(self) -> str:
+        """stdout, then stderr."""
+        return self.stdout + self.stderr
+
+
+def _fresh_path() -> list[str]:
+    """``sys.path`` of a new interpreter without ``PYTHONPATH``, less its first entry (the
+    script's folder or the working folder, which depends on the job)."""
+    with _server_lock:
+        if not _baseline:
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            out = subprocess.run(
+                [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+                capture_output=True,
+                text=True,
+                check=True,
+                env=env,
+            ).stdout
+            _baseline.extend(json.loads(out))
+        return list(_baseline)
+
+
+def _ensure_server() -> None:
+    """Start the forkserver with torch imported and one thread per process (once)."""
+    with _server_lock:
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+        saved = dict(os.environ)
+        try:
+            # The server's environment is what libgomp reads when torch loads it.
+            os.environ["OMP_NUM_THREADS"] = "1"
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def _exit_status(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)  # what the interpreter does with sys.exit("message")
+    return 1
+
+
+def _run_job(job: Job, keep: Mapping[str, str]) -> int:
+    """Make this forked child the process ``job`` describes, run it, return its status."""
+    os.setpgid(0, 0)  # its own process group, so a timeout stops what the job started too
+    os.environ.clear()
+    os.environ.update(job.env)
+    os.environ.update(keep)
+    if job.cwd:
+        os.chdir(job.cwd)
+    first = str(Path(job.target).resolve().parent) if job.mode == "script" else os.getcwd()
+    extra = [p for p in job.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [first, *extra, *job.baseline]
+    importlib.invalidate_caches()
+    sys.argv = [job.target, *job.argv]
+    # Only this module of kwplug (and the package's lazy __init__) came with the entry point;
+    # the job imports kwplug afresh, under its own environment and import path.
+    for name in [m for m in sys.modules if m == "kwplug" or m.startswith("kwplug.")]:
+        del sys.modules[name]
+    # The server's exit handlers are not the job's; the job's run when it ends, as they would.
+    atexit._clear()
+    status = 0
+    try:
+        import torch
+
+        with contextlib.suppress(ValueError, RuntimeError):
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        if job.mode == "script":
+            runpy.run_path(job.target, run_name="__main__")
+        else:
+            runpy.run_module(job.target, run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        status = _exit_status(stop.code)
+    except BaseException:
+        traceback.print_exc()  # as the interpreter prints an uncaught exception
+        status = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+    return status
+
+
+def _rank_main(job: Job) -> None:
+    """The entry point of every rank, in the forked child."""
+    Path(job.folder, f"pid_{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
+    agent = {k: v for k, v in os.environ.items() if k in _AGENT_VARIABLES}
+    agent.update((k, v) for k, v in os.environ.items() if k.startswith("TORCHELASTIC_"))
+    if status := _run_job(job, agent):
+        # The agent reads a failed rank's status from the process; success returns normally
+        # so that torch's wrapper hands the (empty) result back to the agent.
+        raise SystemExit(status)
+
+
+def _single_main(job: Job) -> None:
+    """The entry point of a single process (no torchrun variables), in the forked child."""
+    Path(job.folder, "pid_0").write_text(str(os.getpid()))
+    for fd, name in ((1, "stdout.log"), (2, "stderr.log")):
+        with open(Path(job.folder, name), "ab") as log:
+            os.dup2(log.fileno(), fd)
+    if status := _run_job(job, {}):
+        raise SystemExit(status)
+
+
+def run_single(
+    mode: Mode,
+    target: str,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    timeout: float,
+    folder: Path,
+    cwd: str | None = None,
+) -> Finished:
+    """Run ``target`` as ``python <target> *argv`` would, in one process forked from the
+    server; wait at most ``timeout`` seconds (then its process group is killed)."""
+    _ensure_server()
+    job = Job(mode, target, tuple(argv), dict(env), cwd, str(folder), tuple(_fresh_path()))
+    process = multiprocessing.get_context("forkserver").Process(
+        target=_single_main, args=(job,), name="kwplug-single"
+    )
+    process.start()
+    process.join(timeout)
+    timed_out = process.is_alive()
+    if timed_out:
+        _stop_ranks(folder)
+        process.join(10.0)
+    returncode = process.exitcode if process.exitcode is not None else -9
+    read = {
+        name: (folder / name).read_text(errors="replace") if (folder / name).is_file() else ""
+        for name in ("stdout.log", "stderr.log")
+    }
+    return Finished(returncode, read["stdout.log"], read["stderr.log"], timed_out)
+
+
+def _outputs(logs: Path, nproc: int, name: str) -> str:
+    parts = []
+    for rank in range(nproc):
+        for found in sorted(logs.glob(f"**/attempt_*/{rank}/{name}")):
+            text = found.read_text(errors="replace")
+            if text:
+                parts.append(text if text.endswith("\n") else text + "\n")
+    return "".join(parts)
+
+
+def _stop_ranks(folder: Path) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid_file in folder.glob("pid_*"):
+            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                os.killpg(int(pid_file.read_text()), sig)
+        if sig == signal.SIGTERM:
+            threading.Event().wait(2.0)
+
+
+def launch(
+    mode: Mode,
+    target: str,
+    argv: Sequence[str],
+    *,
+    nproc: int,
+    port: int,
+    env: Mapping[str, str],
+    timeout: float,
+    folder: Path,
+    cwd: str | None = None,
+) -> Finished:
+    """Run ``target`` in ``nproc`` ranks through torch's elastic agent; wait at most
+    ``timeout`` seconds (then the ranks' process groups are killed)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _ensure_server()
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_FILTER)
+    # torchrun's command line tells its ranks which signals it forwards; the agent does not.
+    env = {"TORCHELASTIC_SIGNALS_TO_HANDLE": _SIGNALS, **env}
+    job = Job(mode, target, tuple(argv), env, cwd, str(folder), tuple(_fresh_path()))
+    logs = folder / "logs"
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id="none",  # torchrun's run id and role with a static rendezvous
+        role="default",
+        rdzv_backend="static",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_configs={"rank": 0},
+        max_restarts=0,
+        monitor_interval=0.05,
+        start_method="forkserver",
+        logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL),
+    )
+    outcome: dict[str, BaseException] = {}
+
+    def agent() -> None:
+        # Off the main thread, torch's agent installs no signal handlers in the caller.
+        try:
+            elastic_launch(config, _rank_main)(job)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=agent, name="kwplug-elastic-agent", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    timed_out = thread.is_alive()
+    if timed_out:
+        _stop_ranks(folder)
+        thread.join(30.0)
+    error = outcome.get("error")
+    stdout, stderr = _outputs(logs, nproc, "stdout.log"), _outputs(logs, nproc, "stderr.log")
+    if isinstance(error, ChildFailedError):
+        stderr += str(error)  # torchrun prints the same summary of the failed ranks
+    elif error is not None:
+        stderr += "".join(traceback.format_exception(error))
+    # As torchrun's own exit status: 1 whenever a rank failed, whatever its status was.
+    returncode = 1 if error is not None or timed_out else 0
+    return Finished(returncode, stdout, stderr, timed_out)
