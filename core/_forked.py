@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
+import itertools
 import json
 import logging
 import multiprocessing
@@ -32,10 +33,11 @@ import subprocess
 import sys
 import threading
 import traceback
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 #: Imported once by the forkserver, so that no rank pays for it again.
 _PRELOAD = ["torch", "torch.distributed"]
@@ -58,6 +60,34 @@ _AGENT_VARIABLES = frozenset(
     }
 )
 
+#: Variables the interpreter reads only when it starts: a job whose value differs from the
+#: server's cannot be forked faithfully (see :func:`forkable`). ``PYTHONPATH`` and
+#: ``PYTHONDONTWRITEBYTECODE`` are applied to each job instead.
+_STARTUP = (
+    "PYTHONHASHSEED",
+    "PYTHONWARNINGS",
+    "PYTHONOPTIMIZE",
+    "PYTHONDEVMODE",
+    "PYTHONSAFEPATH",
+    "PYTHONNOUSERSITE",
+    "PYTHONUSERBASE",
+    "PYTHONUTF8",
+    "PYTHONIOENCODING",
+    "PYTHONFAULTHANDLER",
+    "PYTHONMALLOC",
+    "PYTHONHOME",
+    "PYTHONPLATLIBDIR",
+    "PYTHONINSPECT",
+    "PYTHONVERBOSE",
+    "PYTHONNODEBUGRANGES",
+    "PYTHONINTMAXSTRDIGITS",
+    "PYTHONSTARTUP",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+)
+
 #: torchrun's default ``--signals-to-handle``.
 _SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
@@ -72,14 +102,16 @@ class _ThreadWarning(logging.Filter):
 
 _FILTER = _ThreadWarning()
 _server_lock = threading.Lock()
+_server_env: dict[str, str] = {}
 _baseline: list[str] = []
 
-Mode = Literal["script", "module"]
+Mode = Literal["script", "module", "code"]
 
 
 @dataclass(frozen=True)
 class Job:
-    """What each rank runs: ``python <script> *argv`` or ``python -m <module> *argv``."""
+    """What each rank runs: ``python <script> *argv``, ``python -m <module> *argv`` or
+    ``python -c <code> *argv``."""
 
     mode: Mode
     target: str
@@ -132,10 +164,19 @@ def _ensure_server() -> None:
         try:
             # The server's environment is what libgomp reads when torch loads it.
             os.environ["OMP_NUM_THREADS"] = "1"
+            if not _server_env:
+                _server_env.update(os.environ)
             multiprocessing.forkserver.ensure_running()
         finally:
             os.environ.clear()
             os.environ.update(saved)
+
+
+def forkable(env: Mapping[str, str]) -> bool:
+    """Whether a job with environment ``env`` can be forked from the server: every variable
+    the interpreter reads only at start-up has the server's value (``OMP_NUM_THREADS=1``)."""
+    server = _server_env or {**os.environ, "OMP_NUM_THREADS": "1"}
+    return all(env.get(name) == server.get(name) for name in _STARTUP)
 
 
 def _exit_status(code: object) -> int:
@@ -147,6 +188,18 @@ def _exit_status(code: object) -> int:
     return 1
 
 
+def _become_main_process() -> None:
+    # The standard library has no public way to say it; these are the attributes through
+    # which a process is multiprocessing's main one (name, no parent, children numbered
+    # from 1 as "Process-1").
+    current: Any = multiprocessing.current_process()
+    current._identity, current._parent_pid, current._parent_name = (), None, None
+    current.name = "MainProcess"
+    process: Any = multiprocessing.process
+    process._parent_process = None
+    process._process_counter = itertools.count(1)
+
+
 def _run_job(job: Job, keep: Mapping[str, str]) -> int:
     """Make this forked child the process ``job`` describes, run it, return its status."""
     os.setpgid(0, 0)  # its own process group, so a timeout stops what the job started too
@@ -155,15 +208,24 @@ def _run_job(job: Job, keep: Mapping[str, str]) -> int:
     os.environ.update(keep)
     if job.cwd:
         os.chdir(job.cwd)
-    first = str(Path(job.target).resolve().parent) if job.mode == "script" else os.getcwd()
+    sys.dont_write_bytecode = bool(job.env.get("PYTHONDONTWRITEBYTECODE"))
+    first = {
+        "script": str(Path(job.target).resolve().parent),
+        "module": os.getcwd(),
+        "code": "",
+    }[job.mode]
     extra = [p for p in job.env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [first, *extra, *job.baseline]
     importlib.invalidate_caches()
-    sys.argv = [job.target, *job.argv]
+    sys.argv = ["-c" if job.mode == "code" else job.target, *job.argv]
     # Only this module of kwplug (and the package's lazy __init__) came with the entry point;
     # the job imports kwplug afresh, under its own environment and import path.
     for name in [m for m in sys.modules if m == "kwplug" or m.startswith("kwplug.")]:
         del sys.modules[name]
+    # A new interpreter is multiprocessing's main process, with the platform's default start
+    # method (a data loader's workers are started with it), not a forkserver child.
+    multiprocessing.set_start_method(None, force=True)
+    _become_main_process()
     # The server's exit handlers are not the job's; the job's run when it ends, as they would.
     atexit._clear()
     status = 0
@@ -174,8 +236,12 @@ def _run_job(job: Job, keep: Mapping[str, str]) -> int:
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         if job.mode == "script":
             runpy.run_path(job.target, run_name="__main__")
-        else:
+        elif job.mode == "module":
             runpy.run_module(job.target, run_name="__main__", alter_sys=True)
+        else:
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(job.target, "<string>", "exec"), main.__dict__)
     except SystemExit as stop:
         status = _exit_status(stop.code)
     except BaseException:

@@ -53,7 +53,7 @@ def torchrun(
         *args,
     ]
     full_env = child_environment(env)
-    if cli or elastic or torchrun_args:
+    if cli or elastic or torchrun_args or not _forked.forkable(full_env):
         result = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, env=full_env, check=False
         )

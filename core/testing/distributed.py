@@ -152,8 +152,10 @@ def run_torchrun(
     second instead of the seconds three fresh interpreters spend importing torch. Each rank's
     environment, import path, ``sys.argv``, working folder, exit handlers and exit status are
     those of the process torchrun would have started (``kwplug._forked``). With
-    ``torchrun_args`` (restarts, another rendezvous), the ``python -m torch.distributed.run``
-    command line runs instead.
+    ``torchrun_args`` (restarts, another rendezvous), or an ``env`` that changes what an
+    interpreter reads only when it starts (``PYTHONHASHSEED``, ``PYTHONWARNINGS``,
+    ``OMP_NUM_THREADS``...), the ``python -m torch.distributed.run`` command line runs
+    instead.
 
     Args:
         target: the script and its arguments, or ``"-m"``, a module name and its arguments.
@@ -174,7 +176,7 @@ def run_torchrun(
     """
     cmd = torchrun_command(target, nproc=nproc, torchrun_args=torchrun_args)
     full_env = child_environment(env)
-    if torchrun_args:
+    if torchrun_args or not _forked.forkable(full_env):
         return run_bounded(cmd, timeout=timeout, env=full_env, cwd=cwd)
     if not target or (target[0] == "-m" and len(target) < 2):
         raise ValueError(f"target must name a script or '-m module', got {list(target)!r}")

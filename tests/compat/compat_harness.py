@@ -31,7 +31,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "migrating-from-accelerate.
 #: The module that stands in for ``accelerate.test_utils`` in both runs (compat_fixtures.py).
 FIXTURES = "compat_fixtures"
 #: Seconds one check may take on a rank before it counts as hung (``COMPAT_CHECK_TIMEOUT``).
-CHECK_TIMEOUT = float(os.environ.get("COMPAT_CHECK_TIMEOUT", "45"))
+CHECK_TIMEOUT = float(os.environ.get("COMPAT_CHECK_TIMEOUT", "20"))
 #: Seconds one torchrun of a script may take (``COMPAT_RUN_TIMEOUT``).
 RUN_TIMEOUT = float(os.environ.get("COMPAT_RUN_TIMEOUT", "240"))
 #: torchruns of one script per library at most: a hung check ends a run, the next run skips

@@ -22,6 +22,7 @@ from kwplug import _forked
 from kwplug.testing.distributed import (
     DistributedRunError,
     child_environment,
+    run_bounded,
     run_torchrun,
     torchrun_command,
 )
@@ -229,7 +230,9 @@ def run_scenario(
         run_env = {**env, "PARITY_OUT": str(out)}
         command = [sys.executable, *target] if nproc == 1 else torchrun_command(target, nproc=nproc)
         try:
-            if nproc == 1:
+            if nproc == 1 and not _forked.forkable(run_env):
+                done = run_bounded(command, timeout=timeout, env=run_env, cwd=str(work))
+            elif nproc == 1:
                 done = _single(target, timeout=timeout, env=run_env, cwd=work)
             else:
                 done = run_torchrun(

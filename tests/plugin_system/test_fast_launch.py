@@ -38,9 +38,10 @@ def test_forked_ranks_see_what_torchrun_ranks_see(tmp_path: Path) -> None:
             k: v for k, v in b["env"].items() if k not in PER_JOB
         }
         assert a["env"]["KWPLUG_SOMETHING"] == "x y"
-        assert [a[k] for k in ("path0", "path", "cwd", "threads")] == [
-            b[k] for k in ("path0", "path", "cwd", "threads")
-        ]
+        same = ("path0", "path", "cwd", "threads", "start_method", "process", "parent", "loader")
+        assert [a[k] for k in same] == [b[k] for k in same]
+        # multiprocessing's main process, whose data loader workers start and return batches
+        assert (a["process"], a["parent"], a["loader"]) == ("MainProcess", True, [[0, 1], [2, 3]])
         assert a["argv"] == [str(cli)] and b["argv"] == [str(forked)]
         assert a["path"][0] == b["path"][0] == str(tmp_path)  # PYTHONPATH first, as Python does
         assert a["threads"] == 1

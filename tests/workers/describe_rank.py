@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import atexit
 import json
+import multiprocessing
 import os
 import sys
 from pathlib import Path
 
 import torch
+from torch.utils.data import DataLoader
 
 
 def main() -> int:
@@ -24,6 +26,10 @@ def main() -> int:
         "cwd": os.getcwd(),
         "threads": torch.get_num_threads(),
         "kwplug_imported": "kwplug" in sys.modules,
+        "start_method": multiprocessing.get_start_method(),
+        "process": multiprocessing.current_process().name,
+        "parent": multiprocessing.parent_process() is None,
+        "loader": [b.tolist() for b in DataLoader(list(range(4)), batch_size=2, num_workers=2)],
     }
     (out / f"rank_{rank}.json").write_text(json.dumps(seen))
     print(f"stdout of rank {rank}")
