@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from python import python
+
 
 def pip_install(sources: Sequence[Path], target: Path) -> Path:
     """``pip install --target`` the given project folders (no deps, no build isolation)."""
@@ -37,12 +39,5 @@ def run_json(code: str, site: Path, **env: str) -> Any:
     full_env = {**os.environ, "PYTHONPATH": str(site)}
     full_env.pop("KWPLUG_DISABLE_PLUGIN_AUTOLOAD", None)
     full_env.update(env)
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=120,
-        check=True,
-    )
+    out = python("-c", code, env=full_env, timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

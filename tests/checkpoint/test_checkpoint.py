@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from python import python
 from torchrun import torchrun
 
 import kwplug
@@ -19,14 +19,8 @@ WORKER = Path(__file__).parents[1] / "workers" / "resume.py"
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [sys.executable, str(WORKER), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},  # one thread: fast on a busy 2-core box
-    )
+    # one thread: fast on a busy 2-core box
+    result = python(WORKER, *args, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check and result.returncode != 0:
         raise AssertionError(result.stdout + result.stderr)
     return result

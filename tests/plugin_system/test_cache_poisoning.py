@@ -14,14 +14,13 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from python import python
 
 PAST = time.time() - 3600
 NOBODY = 65534
@@ -114,14 +113,7 @@ class World:
         for name in ("KWPLUG_DISABLE_PLUGIN_AUTOLOAD", "KWPLUG_PLUGINS", "KWPLUG_BLOCK_PLUGINS"):
             full.pop(name, None)
         full.update(env)
-        out = subprocess.run(
-            [sys.executable, "-c", PROBE],
-            cwd=self.cwd,
-            env=full,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        out = python("-c", PROBE, cwd=self.cwd, env=full, timeout=300)
         assert out.returncode == 0, out.stderr[-4000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 import warnings
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from python import python
 
 from kwplug._plugins import _cache
 from kwplug._plugins import _discovery as discovery
@@ -193,15 +193,7 @@ def test_a_cache_hit_scans_no_distribution_and_imports_no_packaging(
     )
     env = {**os.environ, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"}
     runs = [
-        subprocess.run(
-            [sys.executable, "-c", program, mode],
-            cwd=site,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-        ).stdout.split()
+        python("-c", program, mode, cwd=site, env=env, timeout=300, check=True).stdout.split()
         for mode in ("miss", "hit")
     ]
     assert runs[0] == ["loaded", "True"]  # the miss scans and range-checks

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from plugin_site import pip_install, run_json
+from python import python
 
 PLUGIN_MODULE = '''
 import functools
@@ -154,14 +154,7 @@ def test_block_list_and_unknown_names(site: Path) -> None:
 
 def test_strict_mode_turns_a_load_failure_into_an_error(site: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(site), "KWPLUG_STRICT_PLUGINS": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", "import kwplug; kwplug.Accelerator()"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    run = python("-c", "import kwplug; kwplug.Accelerator()", env=env, timeout=120)
     assert run.returncode != 0
     assert "PluginLoadError" in run.stderr
     assert "'broken' (kwplug-broken 1.2.3)" in run.stderr and "broken on purpose" in run.stderr
@@ -169,14 +162,7 @@ def test_strict_mode_turns_a_load_failure_into_an_error(site: Path) -> None:
 
 def cli(site: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "PYTHONPATH": str(site), **env}
-    return subprocess.run(
-        [sys.executable, "-m", "kwplug", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=120,
-        check=True,
-    )
+    return python("-m", "kwplug", *args, env=full_env, timeout=120, check=True)
 
 
 def test_cli_plugins_lists_every_plugin_with_status(site: Path) -> None:

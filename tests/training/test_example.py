@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from python import python
 from torchrun import torchrun
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
@@ -39,21 +38,8 @@ def test_single_process(mixed_precision: str) -> None:
     # One intra-op thread: the model is tiny, and on a busy 2-core runner two OpenMP threads
     # make training ~10x slower (same result).
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLE),
-            "--cpu",
-            "--no-progress",
-            "--mixed-precision",
-            mixed_precision,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
+    args = ["--cpu", "--no-progress", "--mixed-precision", mixed_precision]
+    proc = python(EXAMPLE, *args, env=env, timeout=120)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert last_line(proc.stdout).startswith("final_accuracy="), proc.stdout
     accuracy = float(results(proc.stdout)["final_accuracy"])
@@ -96,14 +82,10 @@ def test_two_processes_bf16_comm_hook_profiled(tmp_path: Path) -> None:
 
 def test_checkpoint_dir_resumes_after_the_last_epoch(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, str(EXAMPLE), "--no-progress", "--checkpoint-dir", str(ckpt)]
-    first = subprocess.run(
-        [*cmd, "--epochs", "2"], capture_output=True, text=True, timeout=300, check=True
-    )
+    cmd = [str(EXAMPLE), "--no-progress", "--checkpoint-dir", str(ckpt)]
+    first = python(*cmd, "--epochs", "2", timeout=300, check=True)
     assert "resumed" not in first.stdout
-    second = subprocess.run(
-        [*cmd, "--epochs", "3"], capture_output=True, text=True, timeout=300, check=True
-    )
+    second = python(*cmd, "--epochs", "3", timeout=300, check=True)
     assert f"resumed from {ckpt} after epoch 2" in second.stdout
     epochs = [line.split()[1] for line in second.stdout.splitlines() if line.startswith("epoch")]
     assert epochs == ["3"]  # only the missing epoch is trained

@@ -14,6 +14,7 @@ from unittest import mock
 import attrs
 import torch
 import torch.distributed as dist
+from python import python
 
 import kwplug
 from kwplug.accelerator import _agreement
@@ -68,8 +69,6 @@ def test_a_handlers_own_fields_take_part_unless_marked() -> None:
 
 def test_the_description_is_the_same_in_another_process() -> None:
     # Hash randomisation, memory addresses and set order must not make equal settings differ.
-    import subprocess
-    import sys
 
     script = (
         "import kwplug; from kwplug.accelerator import _agreement as a;"
@@ -78,12 +77,7 @@ def test_the_description_is_the_same_in_another_process() -> None:
         "print(a.digest(a.describe(acc._setup, r(2, None, None, None, None, None, True,"
         " None, None))))"
     )
-    digests = {
-        subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        for _ in range(2)
-    }
+    digests = {python("-c", script, check=True).stdout.strip() for _ in range(2)}
     accelerator = kwplug.Accelerator(cpu=True, mixed_precision="bf16")
     here = _agreement.digest(
         _agreement.describe(accelerator._setup, options(gradient_accumulation_steps=2))

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -204,9 +203,11 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path: Path) -> None:
 def test_example_writes_loss_and_accuracy_curves(tmp_path: Path, tracker: str) -> None:
     if tracker == "tensorboard":
         pytest.importorskip("tensorboard")
-    command = [sys.executable, str(EXAMPLE), "--cpu", "--epochs", "2", "--no-progress"]
+    from python import python  # (not at the top: ranks of run_distributed import this module)
+
+    command = [str(EXAMPLE), "--cpu", "--epochs", "2", "--no-progress"]
     command += ["--log-with", tracker, "--project-dir", str(tmp_path)]
-    subprocess.run(command, check=True, timeout=240, capture_output=True)
+    python(*command, check=True, timeout=240)
     run_dir = tmp_path / "train_digits"
     if tracker == "jsonl":
         rows = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
