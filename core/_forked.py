@@ -1,19 +1,16 @@
 """Start test processes from a server that has already imported torch.
 
-A fresh interpreter spends seconds importing torch before it runs a line of a test; a test
-suite that starts hundreds of torchrun jobs spends most of its time there. Here the ranks are
-started by torch's own elastic agent (``torch.distributed.launcher.api.elastic_launch``, the
-agent ``torchrun`` runs, with torchrun's static rendezvous on a free 127.0.0.1 port) with
+A fresh interpreter spends seconds importing torch before it runs a line of a test. Here the
+ranks are started by torch's own elastic agent (``torch.distributed.launcher.api.elastic_launch``,
+what ``torchrun`` runs, with its static rendezvous on a free 127.0.0.1 port) with
 ``start_method="forkserver"``: each rank is forked from Python's forkserver, which imported
-torch once (``multiprocessing.set_forkserver_preload``). Nothing else the caller imported is
-there, so each rank imports kwplug, plugins and the test code afresh, as a new process would.
+torch once (``multiprocessing.set_forkserver_preload``); everything else is imported afresh.
 
-Before the job runs, each rank is made to look like the process torchrun would have started:
-its environment is exactly the caller's (plus torchrun's variables, which the agent sets), its
-import path is a new interpreter's (``PYTHONPATH`` first), ``sys.argv`` and the working folder
-are the job's, exit handlers run at the end, and its exit status is the script's. What cannot
-be the same: the modules torch imports are already imported, and ``OMP_NUM_THREADS`` is 1 for
-torch's thread pool (set when the server started; the child environment asks for 1 anyway).
+Each rank is then made the process torchrun would have started: exactly the caller's
+environment (plus torchrun's variables), a new interpreter's import path (``PYTHONPATH``
+first), the job's ``sys.argv`` and working folder, multiprocessing's main process, exit
+handlers run at the end, and the script's exit status. A job whose environment changes what
+an interpreter reads only at start-up is not forked (:func:`forkable`).
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ _PRELOAD = ["torch", "torch.distributed"]
 
 #: What torch's elastic agent sets in a rank's environment (kept when the caller's is applied).
 _AGENT_VARIABLES = frozenset(
-    {
+    [
         "RANK",
         "LOCAL_RANK",
         "GROUP_RANK",
@@ -57,35 +54,37 @@ _AGENT_VARIABLES = frozenset(
         "MASTER_ADDR",
         "MASTER_PORT",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    }
+    ]
 )
 
 #: Variables the interpreter reads only when it starts: a job whose value differs from the
 #: server's cannot be forked faithfully (see :func:`forkable`). ``PYTHONPATH`` and
 #: ``PYTHONDONTWRITEBYTECODE`` are applied to each job instead.
-_STARTUP = (
-    "PYTHONHASHSEED",
-    "PYTHONWARNINGS",
-    "PYTHONOPTIMIZE",
-    "PYTHONDEVMODE",
-    "PYTHONSAFEPATH",
-    "PYTHONNOUSERSITE",
-    "PYTHONUSERBASE",
-    "PYTHONUTF8",
-    "PYTHONIOENCODING",
-    "PYTHONFAULTHANDLER",
-    "PYTHONMALLOC",
-    "PYTHONHOME",
-    "PYTHONPLATLIBDIR",
-    "PYTHONINSPECT",
-    "PYTHONVERBOSE",
-    "PYTHONNODEBUGRANGES",
-    "PYTHONINTMAXSTRDIGITS",
-    "PYTHONSTARTUP",
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "LD_PRELOAD",
-    "LD_LIBRARY_PATH",
+_STARTUP = tuple(
+    [
+        "PYTHONHASHSEED",
+        "PYTHONWARNINGS",
+        "PYTHONOPTIMIZE",
+        "PYTHONDEVMODE",
+        "PYTHONSAFEPATH",
+        "PYTHONNOUSERSITE",
+        "PYTHONUSERBASE",
+        "PYTHONUTF8",
+        "PYTHONIOENCODING",
+        "PYTHONFAULTHANDLER",
+        "PYTHONMALLOC",
+        "PYTHONHOME",
+        "PYTHONPLATLIBDIR",
+        "PYTHONINSPECT",
+        "PYTHONVERBOSE",
+        "PYTHONNODEBUGRANGES",
+        "PYTHONINTMAXSTRDIGITS",
+        "PYTHONSTARTUP",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+    ]
 )
 
 #: torchrun's default ``--signals-to-handle``.
@@ -295,7 +294,11 @@ def run_single(
         target=_single_main, args=(job,), name="kwplug-single"
     )
     process.start()
-    process.join(timeout)
+    try:
+        process.join(timeout)
+    except BaseException:  # the caller was interrupted (a test's own timeout): no orphans
+        _stop_ranks(folder)
+        raise
     timed_out = process.is_alive()
     if timed_out:
         _stop_ranks(folder)
@@ -376,7 +379,11 @@ def launch(
 
     thread = threading.Thread(target=agent, name="kwplug-elastic-agent", daemon=True)
     thread.start()
-    thread.join(timeout)
+    try:
+        thread.join(timeout)
+    except BaseException:  # the caller was interrupted (a test's own timeout): no orphans
+        _stop_ranks(folder)
+        raise
     timed_out = thread.is_alive()
     if timed_out:
         _stop_ranks(folder)
