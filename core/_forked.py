@@ -33,6 +33,7 @@ import traceback
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Literal
 
@@ -276,6 +277,21 @@ def _single_main(job: Job) -> None:
         raise SystemExit(status)
 
 
+def _wait(job: threading.Thread | BaseProcess, timeout: float, folder: Path) -> bool:
+    """Wait for ``job`` at most ``timeout`` seconds; whether it ran past them (then the
+    processes it started are killed, as they are when the caller is interrupted)."""
+    try:
+        job.join(timeout)
+    except BaseException:  # the caller was interrupted (a test's own timeout): no orphans
+        _stop_ranks(folder)
+        raise
+    if not job.is_alive():
+        return False
+    _stop_ranks(folder)
+    job.join(30.0)
+    return True
+
+
 def run_single(
     mode: Mode,
     target: str,
@@ -294,15 +310,7 @@ def run_single(
         target=_single_main, args=(job,), name="kwplug-single"
     )
     process.start()
-    try:
-        process.join(timeout)
-    except BaseException:  # the caller was interrupted (a test's own timeout): no orphans
-        _stop_ranks(folder)
-        raise
-    timed_out = process.is_alive()
-    if timed_out:
-        _stop_ranks(folder)
-        process.join(10.0)
+    timed_out = _wait(process, timeout, folder)
     returncode = process.exitcode if process.exitcode is not None else -9
     read = {
         name: (folder / name).read_text(errors="replace") if (folder / name).is_file() else ""
@@ -379,15 +387,7 @@ def launch(
 
     thread = threading.Thread(target=agent, name="kwplug-elastic-agent", daemon=True)
     thread.start()
-    try:
-        thread.join(timeout)
-    except BaseException:  # the caller was interrupted (a test's own timeout): no orphans
-        _stop_ranks(folder)
-        raise
-    timed_out = thread.is_alive()
-    if timed_out:
-        _stop_ranks(folder)
-        thread.join(30.0)
+    timed_out = _wait(thread, timeout, folder)
     error = outcome.get("error")
     stdout, stderr = _outputs(logs, nproc, "stdout.log"), _outputs(logs, nproc, "stderr.log")
     if isinstance(error, ChildFailedError):
