@@ -164,7 +164,7 @@ def run_torchrun(
         env: extra environment variables (on top of :func:`child_environment`).
         torchrun_args: extra torchrun options; any forces the torchrun command line.
         cwd: the ranks' working folder (default: this process's).
-        folder: where the ranks' logs go (default: a temporary folder, removed after).
+        folder: where the forked ranks' logs go (default: a temporary folder, removed after).
 
     Returns:
         ``CompletedProcess`` with torchrun's exit status (0, or 1 when a rank failed) and,
@@ -174,12 +174,12 @@ def run_torchrun(
         ValueError: ``nproc < 1`` or an empty ``target``.
         DistributedRunError: the job ran past ``timeout`` (the message holds its output).
     """
+    if not target or (target[0] == "-m" and len(target) < 2):
+        raise ValueError(f"target must name a script or '-m module', got {list(target)!r}")
     cmd = torchrun_command(target, nproc=nproc, torchrun_args=torchrun_args)
     full_env = child_environment(env)
     if torchrun_args or not _forked.forkable(full_env):
         return run_bounded(cmd, timeout=timeout, env=full_env, cwd=cwd)
-    if not target or (target[0] == "-m" and len(target) < 2):
-        raise ValueError(f"target must name a script or '-m module', got {list(target)!r}")
     module = target[0] == "-m"
     mode: _forked.Mode = "module" if module else "script"
     name, argv = (target[1], target[2:]) if module else (target[0], target[1:])
