@@ -55,7 +55,8 @@ def test_forked_ranks_see_what_torchrun_ranks_see(tmp_path: Path) -> None:
 def test_a_failed_rank_gives_torchruns_status_and_both_streams(tmp_path: Path, cli: bool) -> None:
     done = torchrun(SCRIPT, str(tmp_path), "1", cli=cli, check=False)
     assert done.returncode == 1  # torchrun's status, whatever the rank's (7)
-    assert "stdout of rank 0" in done.stdout and "stdout of rank 1" in done.stdout
+    # (rank 0 may be stopped by torchrun before it prints: only the failing rank is certain)
+    assert "stdout of rank 1" in done.stdout
     assert "stderr of rank 1" in done.stderr and "exitcode  : 7" in done.stderr
     assert (tmp_path / "atexit_1").exists()  # exit handlers run before the status is given
 
