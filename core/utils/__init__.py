@@ -96,6 +96,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     )
     from kwplug.utils.operations import broadcast as broadcast
     from kwplug.utils.operations import broadcast_object_list as broadcast_object_list
+    from kwplug.utils.operations import copy_tensor_to_devices as copy_tensor_to_devices
     from kwplug.utils.operations import gather as gather
     from kwplug.utils.operations import gather_object as gather_object
     from kwplug.utils.operations import pad_across_processes as pad_across_processes
@@ -177,6 +178,7 @@ _EXPORTS: dict[str, str] = {
     "DistributedOperationException": "kwplug.utils.operations",
     "broadcast": "kwplug.utils.operations",
     "broadcast_object_list": "kwplug.utils.operations",
+    "copy_tensor_to_devices": "kwplug.utils.operations",
     "gather": "kwplug.utils.operations",
     "gather_object": "kwplug.utils.operations",
     "pad_across_processes": "kwplug.utils.operations",

@@ -28,6 +28,7 @@ __all__ = [
     "DistributedOperationException",
     "broadcast",
     "broadcast_object_list",
+    "copy_tensor_to_devices",
     "gather",
     "gather_object",
     "pad_across_processes",
@@ -267,6 +268,48 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
     if _world_size() > 1:
         dist.broadcast_object_list(object_list, src=from_process)
     return object_list
+
+
+def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """Send a tensor that exists on one process only to every process (Accelerate's name).
+
+    Unlike :func:`broadcast`, the receivers need not know its shape or dtype: they pass
+    ``None``. One ``torch.distributed.all_gather_object`` finds the holder and its shape and
+    dtype, then ``torch.distributed.broadcast`` sends the values from it.
+
+    Args:
+        tensor: the tensor on exactly one process; ``None`` on every other.
+
+    Returns:
+        The tensor, on every process (the holder's own object; a new tensor elsewhere, on the
+        collective's device).
+
+    Raises:
+        ValueError: no process or more than one process passed a tensor (on every process).
+        TypeError: ``tensor`` is neither a tensor nor ``None``.
+    """
+    if tensor is not None and not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"copy_tensor_to_devices takes a tensor or None, got {type(tensor)!r}")
+    world_size = _world_size()
+    if world_size == 1:
+        if tensor is None:
+            raise ValueError("copy_tensor_to_devices: no process passed a tensor")
+        return tensor
+    mine = None if tensor is None else (tuple(tensor.shape), str(tensor.dtype))
+    described: list[Any] = [None] * world_size
+    dist.all_gather_object(described, mine)
+    holders = [rank for rank, item in enumerate(described) if item is not None]
+    if len(holders) != 1:
+        raise ValueError(
+            "copy_tensor_to_devices needs the tensor on exactly one process and None on the "
+            f"others; ranks holding one: {holders}"
+        )
+    shape, dtype_name = described[holders[0]]
+    if tensor is None:
+        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        tensor = torch.empty(shape, dtype=dtype, device=_object_device(None))
+    dist.broadcast(tensor, src=holders[0])
+    return tensor
 
 
 def pad_across_processes(

@@ -70,7 +70,15 @@ def both_libraries() -> dict[str, Any]:
         "reduce": _catch(ku.reduce, torch.zeros(rank + 1)),
         "broadcast": _catch(ku.broadcast, {"a": torch.zeros(2, rank + 1)}),
         "pad_ndim": _catch(ku.pad_across_processes, torch.zeros([1] * (rank + 1))),
+        "copy_nobody": _catch(ku.copy_tensor_to_devices, None),
+        "copy_everybody": _catch(ku.copy_tensor_to_devices, torch.zeros(1)),
     }
+    # kwplug only: Accelerate's copy_tensor_to_devices fails on the CPU where a process passes
+    # None (torch.zeros of a shape tensor). Only rank 1 holds it: the others learn its shape
+    # and dtype from the call.
+    out["copy_tensor_to_devices"] = ku.copy_tensor_to_devices(
+        torch.tensor([[1, 2, 3]], dtype=torch.int32) if rank == 1 else None
+    )
     out["after_errors"] = ku.gather(torch.tensor([rank]))
     out["gather_object_dict"] = ku.gather_object({"rank": rank})
     return out
@@ -122,6 +130,8 @@ def test_two_process_values(ranks: list[dict[str, Any]]) -> None:
     assert rank0["gather_object"] == [{"rank": 0}, "r0", {"rank": 1}, "r1"]
     assert rank0["broadcast"].tolist() == [1.0] * 3 == rank1["broadcast"].tolist()
     assert rank0["broadcast_object_list"] == [0, "from 0"] == rank1["broadcast_object_list"]
+    for copied in (ranks[0]["copy_tensor_to_devices"], ranks[1]["copy_tensor_to_devices"]):
+        assert copied.dtype == torch.int32 and copied.tolist() == [[1, 2, 3]]
     # device_specific seeds differ per rank (5 + rank).
     assert rank0["seeded"][0] != rank1["seeded"][0]
 
@@ -144,6 +154,11 @@ def test_shape_mismatches_raise_on_every_rank_naming_the_shapes(
         assert "rank 1: ['a'] shape [2, 2] float32" in errors["broadcast"]
         assert errors["pad_ndim"].startswith("DistributedOperationException: pad_across")
         assert "rank 1: [[1, 1]]" in errors["pad_ndim"]
+        assert errors["copy_nobody"] == (
+            "ValueError: copy_tensor_to_devices needs the tensor on exactly one process and "
+            "None on the others; ranks holding one: []"
+        )
+        assert errors["copy_everybody"].endswith("ranks holding one: [0, 1]")
         assert result["after_errors"].tolist() == [0, 1]
         # A non-list object is one element (Accelerate would iterate the dict's keys).
         assert result["gather_object_dict"] == [{"rank": 0}, {"rank": 1}]
