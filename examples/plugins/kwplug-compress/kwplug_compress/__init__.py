@@ -63,7 +63,7 @@ def comm_hooks() -> Mapping[str, kwplug.CommHook]:
 
     Returns:
         ``"int8"`` and ``"topk"`` :class:`kwplug.CommHook` records (hook, state factory,
-        option check, canonical buckets and resize rule; the states save themselves through their
+        option check and resize rule; the states save themselves through their
         ``state_dict``/``load_state_dict``); kwplug records this plugin's entry point as their
         source.
     """
@@ -74,7 +74,6 @@ def comm_hooks() -> Mapping[str, kwplug.CommHook]:
             int8_hook,
             make_int8_state,
             check_options=check_int8_options,
-            state_buckets=residual_buckets,
             resize=resize_residuals,
             resize_note=RESIZE_NOTE,
         ),
@@ -83,7 +82,6 @@ def comm_hooks() -> Mapping[str, kwplug.CommHook]:
             topk_hook,
             make_topk_state,
             check_options=check_topk_options,
-            state_buckets=residual_buckets,
             resize=resize_residuals,
             resize_note=RESIZE_NOTE,
         ),

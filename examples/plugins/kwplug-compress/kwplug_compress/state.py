@@ -63,9 +63,10 @@ class ResidualMemory:
     its buckets after the first step (in the order gradients became ready), so each residual is
     stored with its bucket's :data:`Layout` and a bucket whose layout changed starts again
     from zeros. Residuals restored by :meth:`load_state_dict` wait until a bucket with their
-    layout appears. Under kwplug the hooks see canonical buckets (their records give
-    ``state_buckets``, :func:`residual_buckets`): the layout and the index stay the same when
-    DDP rebuilds its buckets, so a resumed run uses its residuals from its first step on.
+    layout appears: a resumed run's first step still uses DDP's initial layout. A record
+    giving ``state_buckets=residual_buckets`` would have kwplug hand the hooks canonical
+    buckets instead (the same index and layout whatever DDP's), at the price of another
+    element order inside the blocks of top-k's selection.
     """
 
     def __init__(self) -> None:
@@ -193,9 +194,9 @@ class TopKState(_CheckpointedResiduals):
 
 
 def residual_buckets(state: Int8State | TopKState) -> list[BucketIndex]:
-    """The ``state_buckets`` rule of the ``"int8"`` and ``"topk"`` records: the bucket keys the
-    state's residuals are kept under. Declaring it makes kwplug hand the hooks canonical
-    buckets, so that a resumed run finds its residuals whatever DDP's bucket layout."""
+    """A ``state_buckets`` rule for the ``"int8"`` and ``"topk"`` states: the bucket keys the
+    state's residuals are kept under, for a record that asks kwplug for canonical buckets
+    (the built-in records do not: see :class:`ResidualMemory`)."""
     return state.memory.keys()
 
 
