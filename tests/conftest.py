@@ -16,6 +16,31 @@ TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 
 
+#: Test files that take minutes (differential runs against Accelerate, kill loops): collected
+#: first, so that the suite's two workers (pytest-xdist, ``--dist loadfile``) start them at
+#: once instead of one worker finishing them alone at the end.
+_LONG_FILES = (
+    "tests/parity/test_parity.py",
+    "tests/compat/test_accelerate_scripts.py",
+    "tests/checkpoint/test_checkpoint_kills.py",
+    "tests/gates/test_quality.py",
+    "tests/gates/test_benchmarks.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+
+    def rank(item: pytest.Item) -> int:
+        try:
+            relative = Path(str(item.path)).relative_to(root).as_posix()
+        except ValueError:
+            return len(_LONG_FILES)
+        return _LONG_FILES.index(relative) if relative in _LONG_FILES else len(_LONG_FILES)
+
+    items.sort(key=rank)  # stable: the order inside a file and among the rest is kept
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_discovery_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     # Tests (and the processes they start) keep discovery's on-disk cache out of the user's.
