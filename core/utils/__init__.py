@@ -14,7 +14,10 @@ Modules, named as Accelerate's:
   ``broadcast_object_list``, ``copy_tensor_to_devices``, ``pad_across_processes``;
 - :mod:`kwplug.utils.structures`: ``send_to_device``, ``recursively_apply`` and other helpers
   for nested tuples/lists/dicts of tensors (in Accelerate's ``operations``);
-- :mod:`kwplug.utils.imports`: ``is_*_available``, ``is_torch_version``;
+- :mod:`kwplug.utils.imports`: ``is_*_available``, ``is_torch_version``
+  (:mod:`kwplug.utils.availability`: the checks for integrations kwplug does not use);
+- :mod:`kwplug.utils.other`: ``wait_for_everyone``, ``extract_model_from_parallel``;
+  :mod:`kwplug.utils.tqdm`: ``tqdm``;
 - :mod:`kwplug.utils.environment`: ``patch_environment``, ``purge_accelerate_environment``,
   ``str_to_bool``;
 - the handlers (``AutocastKwargs``, ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
@@ -35,6 +38,19 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.plugins import GradScalerKwargs as GradScalerKwargs
     from kwplug.plugins import InitProcessGroupKwargs as InitProcessGroupKwargs
     from kwplug.plugins import ProfileKwargs as ProfileKwargs
+    from kwplug.utils.availability import is_aim_available as is_aim_available
+    from kwplug.utils.availability import is_amdsmi_available as is_amdsmi_available
+    from kwplug.utils.availability import is_habana_gaudi1 as is_habana_gaudi1
+    from kwplug.utils.availability import is_import_timer_available as is_import_timer_available
+    from kwplug.utils.availability import is_lomo_available as is_lomo_available
+    from kwplug.utils.availability import is_peft_model as is_peft_model
+    from kwplug.utils.availability import is_pippy_available as is_pippy_available
+    from kwplug.utils.availability import is_pynvml_available as is_pynvml_available
+    from kwplug.utils.availability import is_rocm_available as is_rocm_available
+    from kwplug.utils.availability import is_sagemaker_available as is_sagemaker_available
+    from kwplug.utils.availability import is_triton_available as is_triton_available
+    from kwplug.utils.availability import is_weights_only_available as is_weights_only_available
+    from kwplug.utils.availability import is_xccl_available as is_xccl_available
     from kwplug.utils.dataclasses import DataLoaderConfiguration as DataLoaderConfiguration
     from kwplug.utils.dataclasses import DistributedType as DistributedType
     from kwplug.utils.dataclasses import GradientAccumulationPlugin as GradientAccumulationPlugin
@@ -103,6 +119,8 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.operations import gather_object as gather_object
     from kwplug.utils.operations import pad_across_processes as pad_across_processes
     from kwplug.utils.operations import reduce as reduce
+    from kwplug.utils.other import extract_model_from_parallel as extract_model_from_parallel
+    from kwplug.utils.other import wait_for_everyone as wait_for_everyone
     from kwplug.utils.random import set_seed as set_seed
     from kwplug.utils.random import synchronize_rng_state as synchronize_rng_state
     from kwplug.utils.random import synchronize_rng_states as synchronize_rng_states
@@ -119,6 +137,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.structures import recursively_apply as recursively_apply
     from kwplug.utils.structures import send_to_device as send_to_device
     from kwplug.utils.structures import slice_tensors as slice_tensors
+    from kwplug.utils.tqdm import tqdm as tqdm
 
 #: Public name -> the module that defines it (Accelerate's names only: a module may define
 #: more). The one list of this package's names: ``__all__`` and ``dir()`` derive from it.
@@ -190,6 +209,22 @@ _EXPORTS: dict[str, str] = {
     "pad_across_processes": "kwplug.utils.operations",
     "reduce": "kwplug.utils.operations",
     "set_seed": "kwplug.utils.random",
+    "is_aim_available": "kwplug.utils.availability",
+    "is_amdsmi_available": "kwplug.utils.availability",
+    "is_habana_gaudi1": "kwplug.utils.availability",
+    "is_import_timer_available": "kwplug.utils.availability",
+    "is_lomo_available": "kwplug.utils.availability",
+    "is_peft_model": "kwplug.utils.availability",
+    "is_pippy_available": "kwplug.utils.availability",
+    "is_pynvml_available": "kwplug.utils.availability",
+    "is_rocm_available": "kwplug.utils.availability",
+    "is_sagemaker_available": "kwplug.utils.availability",
+    "is_triton_available": "kwplug.utils.availability",
+    "is_weights_only_available": "kwplug.utils.availability",
+    "is_xccl_available": "kwplug.utils.availability",
+    "extract_model_from_parallel": "kwplug.utils.other",
+    "wait_for_everyone": "kwplug.utils.other",
+    "tqdm": "kwplug.utils.tqdm",
     "synchronize_rng_state": "kwplug.utils.random",
     "synchronize_rng_states": "kwplug.utils.random",
     "concatenate": "kwplug.utils.structures",

@@ -1,0 +1,73 @@
+"""Accelerate's free functions of ``accelerate.utils.other`` that scripts call without an
+``Accelerator`` at hand: :func:`wait_for_everyone` and :func:`extract_model_from_parallel`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["extract_model_from_parallel", "wait_for_everyone"]
+
+
+def wait_for_everyone() -> None:
+    """Wait until every process reaches this call: ``torch.distributed.barrier()`` when a
+    process group of several processes exists, nothing otherwise (as
+    ``accelerator.wait_for_everyone()``)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def extract_model_from_parallel(
+    model: torch.nn.Module,
+    keep_fp32_wrapper: bool = True,
+    keep_torch_compile: bool = True,
+    recursive: bool = False,
+) -> torch.nn.Module:
+    """The model inside its data-parallel and plugin wrappers: what
+    ``accelerator.unwrap_model`` returns, through the live Accelerator's plugins (their
+    ``unwrap_model`` hook), or the built-in ones when no Accelerator exists.
+
+    Args:
+        model: a prepared (wrapped) model, or any module (returned as it is).
+        keep_fp32_wrapper: ``bool``, default ``True``: keep the mixed-precision forward that
+            ``prepare`` installed; ``False`` restores the model's own ``forward``.
+        keep_torch_compile: ``bool``, default ``True``: keep ``torch.compile``'s wrapper.
+        recursive: ``False`` only. Accelerate's ``True`` also unwraps data-parallel wrappers
+            nested inside the model's submodules; kwplug's plugins wrap the model itself.
+
+    Raises:
+        TypeError: a flag is not a ``bool``, or ``model`` is not a ``torch.nn.Module``.
+        ValueError: ``recursive=True``.
+    """
+    from kwplug.accelerator import _keywords, _saving
+    from kwplug.state import _accelerator
+
+    for name, flag in (
+        ("keep_fp32_wrapper", keep_fp32_wrapper),
+        ("keep_torch_compile", keep_torch_compile),
+        ("recursive", recursive),
+    ):
+        _keywords.check_bool(name, flag)
+    if recursive:
+        raise ValueError(
+            "extract_model_from_parallel(recursive=True): kwplug does not unwrap wrappers "
+            "nested inside submodules; its plugins wrap the prepared model itself"
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"extract_model_from_parallel needs a torch.nn.Module, got {type(model).__name__}"
+        )
+    live: Any = _accelerator()
+    if live is not None:
+        plugins = live.plugin_manager
+    else:
+        from kwplug._plugins import discover
+        from kwplug._plugins._reuse import manager_for
+
+        plugins = manager_for([], discover())
+    return _saving.unwrap(
+        model, plugins, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile
+    )
