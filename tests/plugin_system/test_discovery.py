@@ -16,8 +16,10 @@ def test_builtins_are_discovered_with_their_hooks() -> None:
         "ddp_comm_hooks": ("comm_hooks",),
         "grad_scaler": ("make_scaler",),
         "init_process_group": ("init_process_group", "validate_setup"),
+        "mlflow": ("trackers",),
         "profile": ("make_profiler",),
         "trackers": ("trackers",),
+        "wandb": ("trackers",),
     }
     assert all(
         r.status == "loaded" and r.source == "built-in" for r in records.values() if r.builtin

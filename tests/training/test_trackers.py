@@ -97,8 +97,9 @@ def test_third_party_tracker_from_an_entry_point(kwplug_plugins: PluginSandbox) 
 
 
 def test_unknown_tracker_lists_the_available_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown tracker 'wandb'; available: 'jsonl', 'tensor"):
-        kwplug.Accelerator(cpu=True, log_with="wandb")
+    available = r"available: 'jsonl', 'mlflow', 'tensorboard', 'wandb' \(or 'all'\)"
+    with pytest.raises(ValueError, match=rf"unknown tracker 'neptune'; {available}"):
+        kwplug.Accelerator(cpu=True, log_with="neptune")
     with pytest.raises(TypeError, match="log_with must be"):
         kwplug.Accelerator(cpu=True, log_with=[3])  # type: ignore[list-item]
 
