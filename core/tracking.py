@@ -63,6 +63,10 @@ class GeneralTracker:
 
     #: Accelerate's flag; kwplug runs every tracker on the main process only.
     main_process_only: ClassVar[bool] = True
+    #: What to ``pip install`` for the optional package :meth:`is_available` checks (e.g.
+    #: ``"kwplug[wandb]"``), shown by ``kwplug plugins --trackers`` when it is missing;
+    #: ``None``: the tracker needs nothing beyond kwplug.
+    requirement: ClassVar[str | None] = None
     # Declared, not defined: a subclass must define them (checked in __init__).
     name: ClassVar[str]
     requires_logging_directory: ClassVar[bool]

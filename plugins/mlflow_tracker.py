@@ -67,6 +67,7 @@ class MLflowTracker(GeneralTracker):
 
     name: ClassVar[str] = "mlflow"
     requires_logging_directory: ClassVar[bool] = False
+    requirement: ClassVar[str | None] = _EXTRA
 
     def __init__(
         self,

@@ -45,6 +45,7 @@ class WandBTracker(GeneralTracker):
 
     name: ClassVar[str] = "wandb"
     requires_logging_directory: ClassVar[bool] = False
+    requirement: ClassVar[str | None] = _EXTRA
 
     def __init__(self, run_name: str, **kwargs: Any) -> None:
         super().__init__()

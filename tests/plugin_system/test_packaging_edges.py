@@ -3,6 +3,8 @@ runtime requirement is listed once."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +49,57 @@ def test_every_package_folder_is_in_the_wheel() -> None:
             parts = init.parent.relative_to(ROOT / folder).parts
             found.add(".".join((name, *parts)))
     assert sorted(found - set(setuptools["packages"])) == []
+
+
+PROBE_PLUGIN = """\
+import sys
+import time
+
+TORCH_ALREADY = "torch" in sys.modules
+import torch  # noqa: E402,F401  (what every real plugin does)
+
+import kwplug  # noqa: E402
+
+
+@kwplug.hookimpl
+def trackers():
+    return {}
+"""
+
+
+def test_slow_import_warning_measures_the_plugin_not_torch(tmp_path: Path) -> None:
+    # A fresh interpreter, as `kwplug plugins` in a shell: torch not yet imported. Only the
+    # probe loads (built-ins blocked): before the fix, its load time was torch's import and
+    # `kwplug plugins` warned "took 4.5 s to import".
+    root = tmp_path / "site"
+    info = root / "kwplug_probe-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: kwplug-probe\nVersion: 0.1\nRequires-Dist: kwplug>=0.1\n"
+    )
+    (info / "entry_points.txt").write_text("[kwplug.handlers]\nprobe = kwplug_probe\n")
+    (root / "kwplug_probe.py").write_text(PROBE_PLUGIN)
+    code = (
+        "import json, sys, warnings; warnings.simplefilter('always')\n"
+        "from kwplug._plugins import discover\n"
+        "assert 'torch' not in sys.modules\n"
+        "records = {r.name: r for r in discover()}\n"
+        "import kwplug_probe\n"
+        "print(json.dumps([records['probe'].status, records['probe'].load_seconds,"
+        " kwplug_probe.TORCH_ALREADY]))\n"
+    )
+    builtins = "autocast,ddp,ddp_comm_hooks,grad_scaler,init_process_group,profile,trackers"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "KWPLUG_NO_CACHE": "1",
+        "KWPLUG_BLOCK_PLUGINS": f"{builtins},wandb,mlflow",
+    }
+    env.pop("KWPLUG_DISABLE_PLUGIN_AUTOLOAD", None)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    status, seconds, torch_already = json.loads(result.stdout.splitlines()[-1])
+    assert status == "loaded" and torch_already, result.stderr
+    assert "to import" not in result.stderr and seconds < 1.0
