@@ -1,10 +1,12 @@
 """Issue 21's rough edges: ``import kwplug.testing`` without pytest names the extra; each
-runtime requirement is listed once."""
+runtime requirement is listed once; the slow-import warning measures the plugin, not torch;
+README's 15-line handler with its complete ``pyproject.toml`` installs as a working plugin."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +105,28 @@ def test_slow_import_warning_measures_the_plugin_not_torch(tmp_path: Path) -> No
     status, seconds, torch_already = json.loads(result.stdout.splitlines()[-1])
     assert status == "loaded" and torch_already, result.stderr
     assert "to import" not in result.stderr and seconds < 1.0
+
+
+def test_readme_handler_and_its_pyproject_install_as_a_plugin(tmp_path: Path) -> None:
+    # README's "A third-party handler in 15 lines": its Python block and its complete
+    # pyproject.toml, pip-installed as they are, give a loaded plugin answering `autocast`.
+    from plugin_site import pip_install, run_json
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## A third-party handler in 15 lines", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    pyproject = re.search(r"```toml\n(.*?)```", section, re.S)
+    assert code and pyproject, "the section lost its python or toml block"
+    assert "[build-system]" in pyproject.group(1) and "[project]" in pyproject.group(1)
+    project = tmp_path / "project"
+    (project / "mybackend").mkdir(parents=True)
+    (project / "mybackend" / "__init__.py").write_text("")
+    (project / "mybackend" / "kwplug_plugin.py").write_text(code.group(1))
+    (project / "pyproject.toml").write_text(pyproject.group(1))
+    site = pip_install([project], tmp_path / "site")
+    probe = (
+        "import json\nfrom kwplug._plugins import discover\n"
+        "r = {x.name: x for x in discover()}['mybackend_autocast']\n"
+        "print(json.dumps([r.status, list(r.hooks), r.distribution]))\n"
+    )
+    assert run_json(probe, site) == ["loaded", ["autocast"], "mybackend-kwplug"]
