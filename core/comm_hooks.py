@@ -4,11 +4,16 @@ A communication hook is PyTorch's ``hook(state, bucket: torch.distributed.GradBu
 torch.futures.Future[torch.Tensor]`` (see ``DistributedDataParallel.register_comm_hook``). kwplug
 names hooks so that ``DistributedDataParallelKwargs(comm_hook="name")`` can select them; names
 come from :func:`register_comm_hook` and from plugins' ``comm_hooks`` hook.
+
+A :class:`CommHook` also owns its state's life beyond one process: how the state is keyed by
+bucket (``state_buckets``), saved and restored (``state_dict``/``load_state_dict``) and moved
+to another number of processes (``resize``). The DDP handler and the checkpoint code only call
+these; neither knows any hook.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -25,6 +30,18 @@ if TYPE_CHECKING:
 else:
     HookFn = Callable[..., Any]
     StateFactory = Callable[..., Any]
+
+#: ``state_buckets(state) -> keys``: the bucket keys a layout-dependent hook's state holds.
+StateBuckets = Callable[[Any], Iterable[Any]]
+#: ``state_dict(state) -> saved``: what a checkpoint saves of a hook's state on this rank.
+SaveState = Callable[[Any], Any]
+#: ``load_state_dict(state, saved) -> None``: restore what ``state_dict`` returned.
+LoadState = Callable[[Any, Any], None]
+#: ``resize(saved, old_world_size, new_world_size) -> saved | None``: the saved rank 0's
+#: state as this rank of a run with another number of processes loads it (``None``: afresh).
+ResizeState = Callable[[Any, int, int], Any]
+
+_OPTIONAL_CALLABLE = attrs.validators.optional(attrs.validators.is_callable())
 
 
 @attrs.frozen
@@ -44,6 +61,31 @@ class CommHook:
             process group (its return value is ignored). kwplug calls it when the Accelerator
             is built (``validate_setup``) and, in a single process where DDP is not used and
             ``make_state`` never runs, in ``prepare()``: a bad option fails early everywhere.
+        state_buckets: ``state_buckets(state) -> keys``, for a hook whose state is keyed by
+            ``bucket.index()`` and laid out like ``bucket.buffer()`` (a *layout-dependent*
+            hook). When given, kwplug runs the hook behind
+            :func:`~kwplug.plugins.ddp_comm_hooks.canonical_bucket_hook` (buckets in the
+            model's parameter order, keyed by a tuple of parameter indices, whatever DDP's
+            layout) and calls it to learn the keys the state holds, so that a resumed run
+            splits its first buckets as the saving run did. Return ``()`` when unknown.
+        chains_collectives: the hook starts a collective from a future's callback (e.g. a
+            second all-reduce after the first); on gloo kwplug then completes each bucket
+            before the next (:func:`~kwplug.plugins.ddp_comm_hooks.serialized_hook`).
+        state_dict: ``state_dict(state) -> saved``, what ``Accelerator.save_state`` saves of
+            the state on each rank (tensors, numbers, strings, lists and dicts). ``None``: the
+            state's own ``state_dict()`` method if it has one, else the checkpoint's generic
+            rule (a custom ``__getstate__``); a process group is never saved.
+        load_state_dict: ``load_state_dict(state, saved)``, restoring ``saved`` into the live
+            state built by ``make_state``. ``None``: the state's own ``load_state_dict()``.
+        resize: ``resize(saved, old_world_size, new_world_size) -> saved | None``, used when
+            a checkpoint saved by ``old_world_size`` processes is loaded by
+            ``new_world_size``: ``saved`` is what the saved rank 0 saved (every rank reads it)
+            and the answer is loaded on this rank with ``load_state_dict``. ``None`` (the
+            field, or the answer): the state starts afresh, and the warning kwplug emits names
+            it.
+        resize_note: what ``resize`` does not carry over, named in the one warning kwplug emits
+            when a checkpoint is loaded by another number of processes; ``""``: the rule
+            keeps everything and the warning does not name this hook.
     """
 
     name: str = attrs.field(validator=attrs.validators.instance_of(str))
@@ -55,6 +97,29 @@ class CommHook:
     check_options: Callable[[Mapping[str, Any]], object] | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
     )
+    state_buckets: StateBuckets | None = attrs.field(
+        default=None, kw_only=True, validator=_OPTIONAL_CALLABLE
+    )
+    chains_collectives: bool = attrs.field(
+        default=False, kw_only=True, validator=attrs.validators.instance_of(bool)
+    )
+    state_dict: SaveState | None = attrs.field(
+        default=None, kw_only=True, validator=_OPTIONAL_CALLABLE
+    )
+    load_state_dict: LoadState | None = attrs.field(
+        default=None, kw_only=True, validator=_OPTIONAL_CALLABLE
+    )
+    resize: ResizeState | None = attrs.field(
+        default=None, kw_only=True, validator=_OPTIONAL_CALLABLE
+    )
+    resize_note: str = attrs.field(
+        default="", kw_only=True, validator=attrs.validators.instance_of(str)
+    )
+
+    @property
+    def layout_dependent(self) -> bool:
+        """Whether the hook's state depends on DDP's bucket layout (``state_buckets`` given)."""
+        return self.state_buckets is not None
 
     def check(self, options: Mapping[str, Any]) -> None:
         """Validate ``options`` (``comm_state_option``) without building the state.
@@ -96,6 +161,7 @@ def register_comm_hook(
     make_state: StateFactory | None = None,
     check_options: Callable[[Mapping[str, Any]], object] | None = None,
     replace: bool = False,
+    **state_rules: Any,
 ) -> CommHook:
     """Register a DDP communication hook under ``name`` for this process.
 
@@ -108,12 +174,16 @@ def register_comm_hook(
         check_options: optional ``check_options(comm_state_option) -> None`` validating the
             options without a process group (see :class:`CommHook`).
         replace: allow replacing a hook registered earlier under the same name.
+        **state_rules: the :class:`CommHook` fields saying how the state is bucketed, saved,
+            restored and resized (``state_buckets``, ``chains_collectives``, ``state_dict``,
+            ``load_state_dict``, ``resize``, ``resize_note``).
 
     Returns:
         The :class:`CommHook` record.
 
     Raises:
-        TypeError: ``hook`` or ``make_state`` is not callable, or ``name`` is not a ``str``.
+        TypeError: ``hook`` or ``make_state`` is not callable, ``name`` is not a ``str``, or a
+            name in ``state_rules`` is not a :class:`CommHook` field.
         ValueError: ``name`` is empty or already registered (and ``replace`` is false).
     """
     if not isinstance(name, str) or not name:
@@ -125,7 +195,12 @@ def register_comm_hook(
             f"communication hook {name!r} is already registered; pass replace=True to replace it"
         )
     record = CommHook(
-        name, hook, make_state, source="kwplug.register_comm_hook", check_options=check_options
+        name,
+        hook,
+        make_state,
+        source="kwplug.register_comm_hook",
+        check_options=check_options,
+        **state_rules,
     )
     _REGISTRY[name] = record
     return record

@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 from kwplug._environment import ProcessInfo, end_process_group, select_device
+from kwplug._state_gradient import GradientState
 from kwplug.accelerator import _ops, _process
 from kwplug.utils.dataclasses import DistributedType, default_distributed_type
 
-__all__ = ["AcceleratorState", "PartialState"]
+__all__ = ["AcceleratorState", "GradientState", "PartialState"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -206,6 +207,14 @@ class PartialState(_process.Ranks):
         if self.is_local_main_process:
             print(*args, **kwargs)
 
+    @classmethod
+    def _reset_state(cls, reset_partial_state: bool = False) -> None:
+        """Forget the live Accelerator, so that a new state no longer reports it (Accelerate
+        resets its singletons). kwplug keeps no process-wide state to reset otherwise: an
+        existing Accelerator keeps working, and the process group stays."""
+        global _live_accelerator
+        _live_accelerator = None
+
     def destroy_process_group(self, group: Any = None) -> None:
         """Destroy ``group``, or the default process group when ``None`` (after collecting
         garbage, see :func:`kwplug._environment.end_process_group`); nothing when none
@@ -278,18 +287,54 @@ class AcceleratorState(PartialState):
                 )
             self.mixed_precision = chosen
 
+    @classmethod
+    def _of(cls, accelerator: Any) -> AcceleratorState:
+        """The state of ``accelerator`` (``accelerator.state``): its ranks, device and
+        mixed precision, without reading the environment again."""
+        state = cls.__new__(cls)
+        state.device = accelerator.device
+        state.num_processes = accelerator.num_processes
+        state.process_index = accelerator.process_index
+        state.local_process_index = accelerator.local_process_index
+        state.mixed_precision = accelerator.mixed_precision
+        state._owner = accelerator
+        return state
+
+    _owner: Any = None  # the Accelerator this state describes (None: the live one)
+
+    def _described(self) -> Any:
+        return self._owner or _accelerator()
+
     @property
     def distributed_type(self) -> DistributedType:
-        """The live Accelerator's ``distributed_type``, else :class:`PartialState`'s."""
-        live = _accelerator()
+        """The Accelerator's ``distributed_type`` (this state's, else the live one), else
+        :class:`PartialState`'s. Assignable, as on Accelerate's shared state: the value is
+        what that Accelerator reports from then on (``accelerator.distributed_type``); it
+        changes no training mechanism.
+
+        Raises:
+            ValueError: (on assignment) not a :class:`~kwplug.utils.DistributedType` value.
+            AttributeError: (on assignment) no Accelerator is described.
+        """
+        live = self._described()
         if live is not None:
             return live.distributed_type  # type: ignore[no-any-return]
         return super().distributed_type
 
+    @distributed_type.setter
+    def distributed_type(self, value: DistributedType | str) -> None:
+        live = self._described()
+        if live is None:
+            raise AttributeError(
+                "AcceleratorState.distributed_type can be assigned only while an Accelerator "
+                "exists (it is then what that Accelerator reports)"
+            )
+        live._assigned_distributed_type = DistributedType(value)
+
     @property
     def is_fsdp2(self) -> bool:
-        """The live Accelerator's ``is_fsdp2`` (``False`` without one)."""
-        live = _accelerator()
+        """The Accelerator's ``is_fsdp2`` (``False`` without one)."""
+        live = self._described()
         return bool(live is not None and live.is_fsdp2)
 
     @property

@@ -7,9 +7,9 @@ a message that says what is accepted. They are written the attrs way: small call
 ``validator(instance, attribute, value)`` with a readable ``repr``, usable in
 ``attrs.field(validator=...)`` and inside ``attrs.validators.optional``/``and_``.
 
-:class:`OptionSchema` checks a ``dict`` of named options (PowerSGD's ``comm_state_option``,
-the profiler's ``schedule_option``, a plugin's hook options) with the same validators, one per
-key: unknown keys, required keys and every value are checked in one place.
+:class:`OptionSchema` checks a ``dict`` of named options (a communication hook's
+``comm_state_option``, the profiler's ``schedule_option``, a plugin's hook options) with the
+same validators, one per key: unknown keys, required keys and every value are checked in one place.
 """
 
 from __future__ import annotations
@@ -159,9 +159,9 @@ def _names(keys: Any) -> str:
 class OptionSchema:
     """What a ``dict`` of named options accepts, and the one check of such a dict.
 
-    Used for PowerSGD's ``comm_state_option``, ``ProfileKwargs.schedule_option`` and the
-    options of plugins' communication hooks (e.g. kwplug-compress), so that every such dict
-    refuses ``bool`` numbers, unknown keys and out-of-range values with the same messages.
+    Used for the communication hooks' ``comm_state_option`` (built-in and plugins'),
+    ``ProfileKwargs.schedule_option`` and plugins' options, so that every such dict refuses
+    ``bool`` numbers, unknown keys and out-of-range values with the same messages.
 
     Attributes:
         validators: option name -> validator (e.g. :func:`number`, :data:`strict_bool`, an

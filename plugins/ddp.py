@@ -12,7 +12,6 @@ from typing import Any
 
 import attrs
 import torch
-import torch.distributed as dist
 
 from kwplug import checkpoint
 from kwplug._plugins import discover
@@ -50,13 +49,6 @@ _HOOK_VALUES = tuple(member.value for member in DDPCommunicationHookType)
 _WRAPPER_VALUES = (DDPCommunicationHookType.NO.value, *ddp_comm_hooks.COMPRESSION_WRAPPERS)
 
 
-def _is_layout_dependent(hook: Any) -> bool:
-    try:
-        return hook in ddp_comm_hooks.LAYOUT_DEPENDENT_HOOKS
-    except TypeError:  # an unhashable callable object
-        return False
-
-
 def _not_loaded() -> str:
     # A hook named by a plugin that is installed but blocked, disabled or broken is "unknown"
     # too; say which plugins were not loaded (they are not imported, so which hooks they
@@ -66,12 +58,6 @@ def _not_loaded() -> str:
         return ""
     listed = ", ".join(f"{r.describe()}: {r.status}" for r in records)
     return f" (plugins installed but not loaded, one may provide it: {listed})"
-
-
-def _on_gloo(state: Any) -> bool:
-    # PowerSGD states carry their process group (None: the default group).
-    group = getattr(state, "process_group", None)
-    return bool(dist.is_initialized() and dist.get_backend(group) == "gloo")
 
 
 def _quoted(values: tuple[str, ...]) -> str:
@@ -169,12 +155,14 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
             :func:`kwplug.register_comm_hook` or contributed by a plugin's ``comm_hooks`` hook,
             looked up when the model is wrapped; or a callable ``hook(state, bucket) ->
             torch.futures.Future[torch.Tensor]``, registered with ``state=None`` (the default
-            process group). The PowerSGD hooks (those in
-            ``ddp_comm_hooks.LAYOUT_DEPENDENT_HOOKS``), with their wrapper, are registered
-            through :func:`kwplug.plugins.ddp_comm_hooks.canonical_bucket_hook` so that their
-            state does not depend on DDP's bucket layout (exact resume from a checkpoint); this
-            costs one gather and one scatter copy of each bucket per step once DDP has rebuilt
-            its buckets.
+            process group). The registered callable is built by
+            :func:`kwplug.plugins.ddp_comm_hooks.compose` from the hook's
+            :class:`~kwplug.CommHook` record: a layout-dependent hook (one with
+            ``state_buckets``, such as the PowerSGD hooks) runs, with its wrapper, behind
+            :func:`kwplug.plugins.ddp_comm_hooks.canonical_bucket_hook` so that its state does
+            not depend on DDP's bucket layout (exact resume from a checkpoint); this costs one
+            gather and one scatter copy of each bucket per step once DDP has rebuilt its
+            buckets.
         comm_wrapper: ``DDPCommunicationHookType.NO`` (default), ``FP16`` or ``BF16`` (or
             ``"no"``/``"fp16"``/``"bf16"``): run the hook on a float16/bfloat16 copy of each
             bucket (:func:`kwplug.plugins.ddp_comm_hooks.fp16_compress_wrapper`). With
@@ -276,39 +264,32 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
 
     def _hook_and_state(
         self, comm_hooks: Mapping[str, CommHook], parameters: Iterable[torch.Tensor] = ()
-    ) -> tuple[HookFn | None, Any]:
-        """The hook to register (already wrapped and made acceptable to DDP) and its state;
-        ``(None, None)`` for DDP's own all-reduce.
+    ) -> tuple[HookFn | None, Any, CommHook | None]:
+        """The hook to register, its state and its record; ``(None, None, None)`` for DDP's
+        own all-reduce.
 
-        A hook in :data:`~kwplug.plugins.ddp_comm_hooks.LAYOUT_DEPENDENT_HOOKS` (PowerSGD) is
-        run, wrapper included, through
-        :func:`~kwplug.plugins.ddp_comm_hooks.canonical_bucket_hook` with ``parameters`` (the
-        model's, in order) as the canonical order."""
+        The callable comes from :func:`~kwplug.plugins.ddp_comm_hooks.compose` (the record's
+        hook, gloo serialisation, the ``comm_wrapper``, canonical buckets for a
+        layout-dependent hook with ``parameters`` - the model's, in order - as the canonical
+        order)."""
         self._check_state_for_hook()
         hook_option = self.comm_hook
         state: Any = None
-        hook: HookFn
         if hook_option is DDPCommunicationHookType.NO:
             if self.comm_wrapper == DDPCommunicationHookType.NO:
-                return None, None
-            hook = ddp_comm_hooks.mean_allreduce_hook
+                return None, None, None
+            record = CommHook("no", ddp_comm_hooks.mean_allreduce_hook, source="kwplug")
         elif isinstance(hook_option, str):
             record = self._record(comm_hooks)
             state = record.build_state(None, self.comm_state_option)
-            hook = record.hook
         else:
-            hook = hook_option
-        layout_dependent = _is_layout_dependent(hook)
-        if layout_dependent and _on_gloo(state):
-            hook = ddp_comm_hooks.serialized_hook(hook)  # PowerSGD: see serialized_hook
-        if self.comm_wrapper != DDPCommunicationHookType.NO:
-            hook = ddp_comm_hooks.COMPRESSION_WRAPPERS[self.comm_wrapper.value](hook)
-        if layout_dependent:
-            # Outermost, so that the wrapper's low-precision copy is canonical as well.
-            hook = ddp_comm_hooks.canonical_bucket_hook(
-                hook, parameters, state_buckets=ddp_comm_hooks.power_sgd_state_buckets
-            )
-        return ddp_comm_hooks.ddp_compatible_hook(hook), state
+            record = ddp_comm_hooks.callable_record(hook_option)
+        wrapper = (
+            ddp_comm_hooks.COMPRESSION_WRAPPERS[self.comm_wrapper.value]
+            if self.comm_wrapper != DDPCommunicationHookType.NO
+            else None
+        )
+        return ddp_comm_hooks.compose(record, state, parameters, wrapper=wrapper), state, record
 
     @hookimpl
     def validate_setup(self, comm_hooks: Mapping[str, CommHook]) -> None:
@@ -346,10 +327,11 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
 
         Returns:
             The DDP module with the communication hook registered
-            (``DistributedDataParallel.register_comm_hook(state, hook)``; a PowerSGD hook
-            behind :func:`~kwplug.plugins.ddp_comm_hooks.canonical_bucket_hook`, with
-            ``model.parameters()`` as the canonical order), or ``None``. The hook's state is
-            handed to checkpoints with :func:`kwplug.checkpoint.attach_state`.
+            (``DistributedDataParallel.register_comm_hook(state, hook)``, the hook from
+            :func:`~kwplug.plugins.ddp_comm_hooks.compose` with ``model.parameters()`` as the
+            canonical order), or ``None``. The hook's state, with its record's checkpoint
+            rules (:func:`~kwplug.plugins.ddp_comm_hooks.checkpointed_state`), is handed to
+            checkpoints with :func:`kwplug.checkpoint.attach_state`.
 
         Raises:
             ValueError: unknown ``comm_hook`` name (lists the known names); ``comm_state_option``
@@ -361,13 +343,15 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
             # The handler may have changed since Accelerator() checked it.
             self.validate_setup(comm_hooks)
             return warn_frozen(model, world_size) if world_size > 1 else None
-        hook, state = self._hook_and_state(comm_hooks, list(model.parameters()))
+        hook, state, record = self._hook_and_state(comm_hooks, list(model.parameters()))
         device_ids = [device.index] if device.type != "cpu" and device.index is not None else None
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids, **self.to_kwargs())
-        if hook is not None:
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=device_ids, **self.to_kwargs()
+        )
+        if hook is not None and record is not None:
             ddp.register_comm_hook(state, hook)
-            # Checkpoints save the hook's state (PowerSGD's error feedback) through this.
-            checkpoint.attach_state(ddp, state)
+            # Checkpoints save, restore and resize the state by the record's rules.
+            checkpoint.attach_state(ddp, ddp_comm_hooks.checkpointed_state(record, state))
         return ddp
 
     @hookimpl

@@ -29,6 +29,8 @@ Accelerator.__module__ = __name__
 _REEXPORTS = {
     "AcceleratorState": "kwplug.state",
     "PartialState": "kwplug.state",
+    "GradientState": "kwplug.state",
+    "RNGType": "kwplug.utils",
     "DataLoaderConfiguration": "kwplug.utils",
     "GradientAccumulationPlugin": "kwplug.utils",
     "ProjectConfiguration": "kwplug.utils",

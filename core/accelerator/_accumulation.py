@@ -142,6 +142,7 @@ class _GradientAccumulation:
     _prepared: _Prepared
     gradient_state: GradientState
     project_configuration: ProjectConfiguration
+    distributed_type: Any  # the facade's property (._process_api)
 
     @property
     def project_dir(self) -> str | None:
@@ -215,7 +216,8 @@ class _GradientAccumulation:
         ``even_batches`` overrides the prepared map-style data loaders' setting inside the
         context (iterable-style ones keep theirs, with a warning). In one process it does
         nothing; with joinables that are not torch ``Joinable`` (a model not wrapped in
-        DDP) it warns and does nothing, as Accelerate.
+        DDP), or a ``distributed_type`` other than data parallelism (``FSDP``), it warns
+        (``KwplugWarning``) and does nothing, as Accelerate.
 
         Args:
             joinables: the DDP models (and ``ZeroRedundancyOptimizer`` s) to join.
@@ -228,6 +230,7 @@ class _GradientAccumulation:
             default_even_batches=self._prepared.dataloader_config.even_batches,
             joinables=joinables,
             even_batches=even_batches,
+            distributed_type=self.distributed_type.value,
         )
 
     @property

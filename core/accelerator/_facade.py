@@ -310,3 +310,13 @@ class Accelerator(
             f"Accelerator(device={self.device}, mixed_precision={self.mixed_precision!r}, "
             f"num_processes={self.num_processes}, process_index={self.process_index})"
         )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # An Accelerator holds this process's plugin manager, process group and hooks into
+        # prepared objects: none of that means anything in another process, so say so here
+        # instead of pickle's "cannot pickle 'module' object" from deep inside.
+        raise TypeError(
+            "an Accelerator cannot be pickled (it holds this process's plugins, process group "
+            "and prepared objects); pickle what you need instead: accelerator.state's fields, "
+            "a prepared object's state_dict(), or a checkpoint from save_state()"
+        )

@@ -225,9 +225,9 @@ class _Checkpoints:
         Saves the prepared models (unwrapped ``state_dict``), optimizers, the gradient scaler,
         objects given to :meth:`register_for_checkpointing`, and per rank the RNG states
         (Python, NumPy, torch CPU and device), the prepared data loaders' positions (epoch and
-        batches consumed) and the state of stateful DDP communication hooks (PowerSGD's error
-        feedback and step counter). Every rank must call it; see :mod:`kwplug.checkpoint` for
-        the layout and the crash-safety guarantees.
+        batches consumed) and the state of stateful DDP communication hooks (saved, restored
+        and resized by each hook's :class:`~kwplug.CommHook` rules). Every rank must call it;
+        see :mod:`kwplug.checkpoint` for the layout and the crash-safety guarantees.
 
         Saved between two micro-batches of :meth:`accumulate` (``sync_gradients`` false), it
         also saves each rank's pending ``.grad`` of the prepared models (local, unsynchronised

@@ -60,10 +60,22 @@ def join_uneven_inputs(
     default_even_batches: bool,
     joinables: Sequence[Any],
     even_batches: bool | None,
+    distributed_type: str = "MULTI_CPU",
 ) -> Iterator[None]:
     """See ``Accelerator.join_uneven_inputs``."""
     joinables = list(joinables)
     if world_size <= 1:  # nothing to join; Join itself wants a process group
+        yield
+        return
+    if not str(distributed_type).startswith("MULTI_"):
+        # As Accelerate: torch's Join covers data parallelism (DDP) only, not sharding.
+        warnings.warn(
+            "join_uneven_inputs is only supported for multi-GPU or multi-CPU data-parallel "
+            f"training (DistributedDataParallel); distributed_type is {distributed_type}, so "
+            "it has no effect",
+            KwplugWarning,
+            stacklevel=3,
+        )
         yield
         return
     if not joinables or not all(isinstance(j, Joinable) for j in joinables):

@@ -8,7 +8,6 @@ import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
-import attrs
 import torch
 
 from kwplug.accelerator import _ops
@@ -26,7 +25,7 @@ class Ranks:
             local_process_index: its rank on its node.
     """
 
-    __slots__ = ()  # keeps ProcessState a slotted attrs class
+    __slots__ = ()  # keeps the Accelerator's and the states' own attribute layout
     num_processes: int
     process_index: int
     local_process_index: int
@@ -50,28 +49,6 @@ class Ranks:
     def use_distributed(self) -> bool:
         """True when more than one process runs."""
         return self.num_processes > 1
-
-
-@attrs.frozen
-class ProcessState(Ranks):
-    """What Accelerate's ``AcceleratorState`` tells about the run (``accelerator.state``),
-    with :class:`Ranks`' predicates (``is_main_process``, ``is_local_main_process``,
-    ``is_last_process``, ``use_distributed``).
-
-    Attributes:
-        num_processes: processes in the run; process_index: this one's global rank;
-            local_process_index: its rank on its node.
-        device: where this process trains.
-        distributed_type: the :class:`~kwplug.utils.DistributedType` at the time it was read.
-        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
-    """
-
-    num_processes: int
-    process_index: int
-    local_process_index: int
-    device: torch.device
-    distributed_type: DistributedType
-    mixed_precision: str
 
 
 def distributed_type(

@@ -12,7 +12,6 @@ import torch
 
 from kwplug.accelerator import _metrics, _ops, _process
 from kwplug.accelerator._prepare import _Prepared
-from kwplug.accelerator._process import ProcessState
 from kwplug.accelerator._setup import _Setup
 from kwplug.data import PreparedDataLoader
 from kwplug.utils.dataclasses import DataLoaderConfiguration, DistributedType
@@ -127,22 +126,24 @@ class _DataAndProcessAPI(_process.Ranks):
     def distributed_type(self) -> DistributedType:
         """``NO`` (one process), ``MULTI_CPU``/``MULTI_GPU``/... (data parallel), or ``FSDP``
         when a handler declares it (class attribute ``distributed_type``) or a prepared model
-        is sharded (FSDP1/FSDP2 module, ``DTensor`` parameters)."""
+        is sharded (FSDP1/FSDP2 module, ``DTensor`` parameters); or the value assigned to
+        ``accelerator.state.distributed_type`` (as Accelerate's shared state allows: it
+        changes what is reported, not how anything trains)."""
+        assigned: DistributedType | None = getattr(self, "_assigned_distributed_type", None)
+        if assigned is not None:
+            return assigned
         return _process.distributed_type(
             self.device, self.num_processes, self._setup.handlers, self._prepared.models
         )
 
     @property
-    def state(self) -> ProcessState:
-        """A snapshot of the run: ranks, device, ``distributed_type``, ``mixed_precision``."""
-        return ProcessState(
-            self.num_processes,
-            self.process_index,
-            self.local_process_index,
-            self.device,
-            self.distributed_type,
-            self.mixed_precision,
-        )
+    def state(self) -> Any:
+        """This Accelerator's :class:`kwplug.state.AcceleratorState`: ranks, device,
+        ``distributed_type``, ``mixed_precision`` and the state's methods
+        (``wait_for_everyone``, ``destroy_process_group``, ``print``...), as Accelerate's."""
+        from kwplug.state import AcceleratorState
+
+        return AcceleratorState._of(self)
 
     @property
     def multi_device(self) -> bool:

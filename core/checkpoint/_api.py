@@ -191,9 +191,10 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
     if not os.fspath(input_dir):
         raise ValueError("load_state needs a checkpoint directory, got an empty path")
     directory = commit.resolve_checkpoint(input_dir)
+    missing = None
     if directory is None:
         old = (Path(input_dir) / layout.MARKER).is_file()
-        raise FileNotFoundError(
+        missing = (
             f"no complete kwplug checkpoint at {os.fspath(input_dir)!r} (a {layout.FORMAT} "
             f"version folder with a {layout.MARKER} marker)"
             + (
@@ -202,6 +203,16 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
                 if old
                 else ""
             )
+        )
+    # Every rank must find one (each may pass its own path): else all raise, none waits.
+    absent = [(r, m) for r, m in enumerate(_share(acc, missing)) if m is not None]
+    if missing is not None or directory is None:
+        raise FileNotFoundError(missing)
+    if absent:
+        rank, message = absent[0]
+        raise FileNotFoundError(
+            f"rank {rank} found {message}; every process must load a checkpoint (the same "
+            "one: the processes of a run load one checkpoint together)"
         )
     entries = plan.entries(acc)
     error: CheckpointError | None = None

@@ -11,9 +11,11 @@ What changes with the number of processes, and the rule for each (docs/reliabili
   the global stream continues at exactly the next unconsumed batch (:func:`convert_position`).
 - **RNG states.** Rank 0 restores the saved rank 0's; rank ``r > 0`` is seeded from
   ``sha256(saved rank 0's torch CPU state, r)`` (:func:`set_resized_rng`).
-- **Communication-hook state.** Per-rank parts (PowerSGD's error feedback, ``P`` and ``Q``)
-  are reset, counters kept; unknown hook states are reset; one warning names them
-  (:func:`load_resized_hooks`).
+- **Communication-hook state.** An attached state that has a rule of its own
+  (``resize_state_dict(saved, old_world_size, new_world_size)``; a :class:`kwplug.CommHook`'s
+  ``resize``) loads what the rule makes of the saved rank 0's; the others start afresh. One
+  warning names every state reset and every rule that does not keep everything (its
+  ``resize_note``) (:func:`load_resized_hooks`).
 - **Optimizer files** of an FSDP2 run (keyed by parameter name) load into a plain optimizer
   and the other way round (:func:`adapt_optimizer_state`).
 """
@@ -35,12 +37,6 @@ from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _rng as rng
 from kwplug.data import DispatchedDataLoader, PreparedDataLoader
 from kwplug.errors import CheckpointError, KwplugWarning
-
-#: PowerSGD state kept across sizes (the rest, ``error_dict`` / ``p_memory_dict`` /
-#: ``q_memory_dict``, is one process's and starts afresh).
-_POWER_SGD_KEPT = frozenset(
-    {"iter", "rng", "total_numel_before_compression", "total_numel_after_compression"}
-)
 
 
 def saved_world_size(records: Mapping[str, Any]) -> int:
@@ -158,11 +154,23 @@ def set_resized_rng(saved: dict[str, Any], rank: int, device: torch.device) -> N
 def load_resized_hooks(
     live: Sequence[Sequence[Any]], saved: Sequence[Sequence[Any]], sizes: tuple[int, int]
 ) -> None:
-    """Load what maps of saved communication-hook states into the ``live`` ones (per model);
-    reset the rest, with one warning naming each hook state reset (main process only)."""
-    from kwplug.checkpoint._stateful import hook_state_dict, load_hook_state
+    """Move the saved rank 0's communication-hook states (per model) into the ``live`` ones
+    of a run with another number of processes.
 
-    reset: list[str] = []
+    A live state with ``resize_state_dict(saved, old_world_size, new_world_size)`` loads its
+    answer (``None``: it starts afresh); any other starts afresh. One warning (main process
+    only) names each state that starts afresh and each one whose rule has a ``resize_note``
+    (what the rule does not carry over).
+
+    Args:
+        live: per model, the states attached to it in this run.
+        saved: per model, the saved rank 0's snapshots (``None`` for a stateless hook).
+        sizes: ``(old_world_size, new_world_size)``.
+    """
+    from kwplug.checkpoint._stateful import load_hook_state, state_label
+
+    old, new = sizes
+    named: list[str] = []
     for index, snapshots in enumerate(saved):
         states = list(live[index]) if index < len(live) else []
         for position, snapshot in enumerate(snapshots):
@@ -170,33 +178,32 @@ def load_resized_hooks(
                 continue
             state = states[position] if position < len(states) else None
             if state is None:
-                reset.append(f"model {index}: {_saved_name(snapshot)} (no hook in this run)")
+                named.append(f"model {index}: {_saved_name(snapshot)} (no hook in this run)")
                 continue
-            kind = type(state).__qualname__
-            current = hook_state_dict(state)
-            if snapshot["kind"] == "getstate" and current is not None:
-                kept = {k: v for k, v in snapshot["value"].items() if k in _POWER_SGD_KEPT}
-                load_hook_state(state, {**current, "value": {**current["value"], **kept}})
-                reset.append(f"model {index}: {kind} (per-process state reset, counters kept)")
-            else:
-                reset.append(f"model {index}: {kind} (reset)")
-    if reset and rank() == 0:
-        old, new = sizes
+            label = state_label(state)
+            rule = getattr(state, "resize_state_dict", None)
+            value = rule(snapshot["value"], old, new) if callable(rule) else None
+            if value is None:
+                named.append(f"model {index}: {label} (reset)")
+                continue
+            load_hook_state(state, {**snapshot, "value": value})
+            note = getattr(state, "resize_note", "")
+            if isinstance(note, str) and note:
+                named.append(f"model {index}: {label} ({note})")
+    if named and rank() == 0:
         warnings.warn(
             f"kwplug checkpoint saved by {old} process(es), loaded by {new}: communication "
-            f"hook state that belongs to one process (PowerSGD's error feedback and P/Q "
-            f"matrices, compression residuals) cannot be mapped to the new processes and "
-            f"starts afresh: {'; '.join(reset)}",
+            f"hook state that belongs to one process (error feedback, residuals, low-rank "
+            f"factors) is moved by its hook's resize rule or starts afresh: "
+            f"{'; '.join(named)}",
             KwplugWarning,
             stacklevel=2,
         )
 
 
 def _saved_name(snapshot: Mapping[str, Any]) -> str:
-    value = snapshot.get("value")
-    if snapshot.get("kind") == "getstate" and isinstance(value, dict) and "error_dict" in value:
-        return "PowerSGDState"
-    return "a communication hook's state"
+    label = snapshot.get("label")
+    return label if isinstance(label, str) and label else "a communication hook's state"
 
 
 def adapt_optimizer(target: Any, state: Any, modules: Sequence[torch.nn.Module]) -> Any:

@@ -30,10 +30,14 @@ def attach_state(module: torch.nn.Module, state: Any) -> None:
     """Save ``state`` with ``module`` in every checkpoint, on every rank.
 
     For wrapper plugins whose wrapper holds per-rank state the model's ``state_dict`` does not
-    cover: the DDP handler attaches the state of the communication hook it registered
-    (PowerSGD's error feedback). ``state`` is saved through its ``state_dict()`` if it has
-    one, else through ``__getstate__`` (PowerSGD's state); a process group is never saved.
-    Call it once per state, in the same order on every run, after wrapping.
+    cover: the DDP handler attaches the state of the communication hook it registered, with
+    that hook's rules. ``state`` is saved through its ``state_dict()`` if it has one, else
+    through a custom ``__getstate__``; a process group is never saved. Resuming on another
+    number of processes, ``state.resize_state_dict(saved, old_world_size, new_world_size)``
+    (if any) says what it loads of the saved rank 0's state, and ``state.resize_note`` what
+    that loses (see :func:`kwplug.checkpoint._resize.load_resized_hooks`); ``state.label``,
+    if a ``str``, names it in messages. Call it once per state, in the same order on every
+    run, after wrapping.
 
     Args:
         module: the wrapped model a plugin's ``wrap_model`` returned.
@@ -60,28 +64,38 @@ class Stateful(Protocol):
         ...
 
 
-def hook_state_dict(state: Any) -> Any:
-    """A snapshot of a DDP communication hook's state, or ``None`` if stateless.
+def state_label(state: Any) -> str:
+    """How messages name an attached state: its ``label`` (a ``str``) or its class."""
+    label = getattr(state, "label", None)
+    return label if isinstance(label, str) and label else type(state).__qualname__
 
-    States with ``state_dict()`` use it; PowerSGD's state through ``__getstate__`` (which
-    leaves out the process group). Either must hold only what
-    :mod:`kwplug.checkpoint._codec` stores (PowerSGD's NumPy random state is).
+
+def hook_state_dict(state: Any) -> Any:
+    """A snapshot of an attached state (a DDP communication hook's), or ``None`` if stateless.
+
+    States with ``state_dict()`` use it; others a custom ``__getstate__`` (which should leave
+    out any process group). Either must hold only what :mod:`kwplug.checkpoint._codec` stores
+    (a NumPy random state is). The snapshot also records the state's :func:`state_label`.
     """
     if state is None or isinstance(state, torch.distributed.ProcessGroup):
         return None
+    label = state_label(state)
     if callable(getattr(state, "state_dict", None)):
-        return {"kind": "state_dict", "value": state.state_dict()}
+        return {"kind": "state_dict", "value": state.state_dict(), "label": label}
     getstate: Callable[[], Any] | None = getattr(type(state), "__getstate__", None)
     if getstate is not None and getstate is not getattr(object, "__getstate__", None):
-        return {"kind": "getstate", "value": state.__getstate__()}
+        return {"kind": "getstate", "value": state.__getstate__(), "label": label}
     return None
 
 
 def load_hook_state(state: Any, saved: Any) -> None:
-    """Restore a snapshot from :func:`hook_state_dict` into the live hook ``state``."""
+    """Restore a snapshot from :func:`hook_state_dict` into the live hook ``state``: through
+    its ``load_state_dict`` when it has one (whatever the snapshot's kind, so that a state
+    saved through ``__getstate__`` loads into one that now declares its rules), else
+    ``__setstate__`` keeping the live ``process_group``."""
     if saved is None:
         return
-    if saved["kind"] == "state_dict":
+    if saved["kind"] == "state_dict" or callable(getattr(state, "load_state_dict", None)):
         state.load_state_dict(saved["value"])
     else:
         process_group = getattr(state, "process_group", None)

@@ -6,12 +6,12 @@ importing this package imports none of its modules (nor NumPy or Accelerate).
 
 Modules, named as Accelerate's:
 
-- :mod:`kwplug.utils.dataclasses`: ``DistributedType``, ``DataLoaderConfiguration``,
-  ``ProjectConfiguration``, ``GradientAccumulationPlugin``;
-- :mod:`kwplug.utils.random`: ``set_seed``;
+- :mod:`kwplug.utils.dataclasses`: ``DistributedType``, ``RNGType``,
+  ``DataLoaderConfiguration``, ``ProjectConfiguration``, ``GradientAccumulationPlugin``;
+- :mod:`kwplug.utils.random`: ``set_seed``, ``synchronize_rng_states``;
 - :mod:`kwplug.utils.memory`: ``find_executable_batch_size``, ``release_memory``...;
 - :mod:`kwplug.utils.operations`: ``gather``, ``gather_object``, ``reduce``, ``broadcast``,
-  ``broadcast_object_list``, ``pad_across_processes``;
+  ``broadcast_object_list``, ``copy_tensor_to_devices``, ``pad_across_processes``;
 - :mod:`kwplug.utils.structures`: ``send_to_device``, ``recursively_apply`` and other helpers
   for nested tuples/lists/dicts of tensors (in Accelerate's ``operations``);
 - :mod:`kwplug.utils.imports`: ``is_*_available``, ``is_torch_version``;
@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.dataclasses import DistributedType as DistributedType
     from kwplug.utils.dataclasses import GradientAccumulationPlugin as GradientAccumulationPlugin
     from kwplug.utils.dataclasses import ProjectConfiguration as ProjectConfiguration
+    from kwplug.utils.dataclasses import RNGType as RNGType
     from kwplug.utils.environment import parse_flag_from_env as parse_flag_from_env
     from kwplug.utils.environment import patch_environment as patch_environment
     from kwplug.utils.environment import (
@@ -65,6 +66,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.imports import is_npu_available as is_npu_available
     from kwplug.utils.imports import is_pandas_available as is_pandas_available
     from kwplug.utils.imports import is_peft_available as is_peft_available
+    from kwplug.utils.imports import is_pytest_available as is_pytest_available
     from kwplug.utils.imports import is_rich_available as is_rich_available
     from kwplug.utils.imports import is_schedulefree_available as is_schedulefree_available
     from kwplug.utils.imports import is_sdaa_available as is_sdaa_available
@@ -102,6 +104,8 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.operations import pad_across_processes as pad_across_processes
     from kwplug.utils.operations import reduce as reduce
     from kwplug.utils.random import set_seed as set_seed
+    from kwplug.utils.random import synchronize_rng_state as synchronize_rng_state
+    from kwplug.utils.random import synchronize_rng_states as synchronize_rng_states
     from kwplug.utils.structures import concatenate as concatenate
     from kwplug.utils.structures import convert_to_fp32 as convert_to_fp32
     from kwplug.utils.structures import find_batch_size as find_batch_size
@@ -127,6 +131,7 @@ _EXPORTS: dict[str, str] = {
     "ProfileKwargs": "kwplug.plugins",
     "DataLoaderConfiguration": "kwplug.utils.dataclasses",
     "DistributedType": "kwplug.utils.dataclasses",
+    "RNGType": "kwplug.utils.dataclasses",
     "GradientAccumulationPlugin": "kwplug.utils.dataclasses",
     "ProjectConfiguration": "kwplug.utils.dataclasses",
     "parse_flag_from_env": "kwplug.utils.environment",
@@ -158,6 +163,7 @@ _EXPORTS: dict[str, str] = {
     "is_sdaa_available": "kwplug.utils.imports",
     "is_swanlab_available": "kwplug.utils.imports",
     "is_tensorboard_available": "kwplug.utils.imports",
+    "is_pytest_available": "kwplug.utils.imports",
     "is_timm_available": "kwplug.utils.imports",
     "is_torch_distributed_available": "kwplug.utils.imports",
     "is_torch_version": "kwplug.utils.imports",
@@ -184,6 +190,8 @@ _EXPORTS: dict[str, str] = {
     "pad_across_processes": "kwplug.utils.operations",
     "reduce": "kwplug.utils.operations",
     "set_seed": "kwplug.utils.random",
+    "synchronize_rng_state": "kwplug.utils.random",
+    "synchronize_rng_states": "kwplug.utils.random",
     "concatenate": "kwplug.utils.structures",
     "convert_to_fp32": "kwplug.utils.structures",
     "find_batch_size": "kwplug.utils.structures",

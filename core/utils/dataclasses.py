@@ -22,6 +22,7 @@ __all__ = [
     "DistributedType",
     "GradientAccumulationPlugin",
     "ProjectConfiguration",
+    "RNGType",
     "default_distributed_type",
 ]
 
@@ -50,6 +51,23 @@ class DistributedType(str, enum.Enum):
     MEGATRON_LM = "MEGATRON_LM"
     MULTI_HPU = "MULTI_HPU"
     MULTI_NEURON = "MULTI_NEURON"
+
+
+class RNGType(str, enum.Enum):
+    """The random number generators :func:`kwplug.utils.synchronize_rng_states` can copy from
+    process 0 to the others (Accelerate's members and values)."""
+
+    TORCH = "torch"
+    CUDA = "cuda"
+    MLU = "mlu"
+    SDAA = "sdaa"
+    MUSA = "musa"
+    NPU = "npu"
+    XLA = "xla"
+    XPU = "xpu"
+    HPU = "hpu"
+    NEURON = "neuron"
+    GENERATOR = "generator"
 
 
 _MULTI_BY_DEVICE = {

@@ -39,6 +39,7 @@ __all__ = [
     "is_npu_available",
     "is_pandas_available",
     "is_peft_available",
+    "is_pytest_available",
     "is_rich_available",
     "is_schedulefree_available",
     "is_sdaa_available",
@@ -127,6 +128,11 @@ def is_torch_distributed_available() -> bool:
 def is_schedulefree_available() -> bool:
     """``schedulefree`` (Facebook Research's schedule-free optimizers) is installed."""
     return _is_package_available("schedulefree")
+
+
+def is_pytest_available() -> bool:
+    """``pytest`` is installed."""
+    return _is_package_available("pytest")
 
 
 def is_tensorboard_available() -> bool:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from kwplug._environment import ProcessInfo
 
-__all__ = ["set_seed"]
+__all__ = ["set_seed", "synchronize_rng_state", "synchronize_rng_states"]
 
 #: NumPy's legacy ``np.random.seed`` accepts exactly this range; the other generators accept it.
 _SEED_LIMIT = 2**32
@@ -70,3 +72,70 @@ def _seed_devices(seed: int) -> None:
         seed_all = getattr(backend, "manual_seed_all", None)
         if callable(seed_all):
             seed_all(seed)
+
+
+def synchronize_rng_state(
+    rng_type: str | None = None, generator: torch.Generator | None = None
+) -> None:
+    """Give every process the state of process 0's generator ``rng_type`` (Accelerate's
+    function): the state is read with the generator's ``get_rng_state``/``get_state``, sent
+    with ``torch.distributed.broadcast`` and set on the others. Nothing without a process
+    group of several processes.
+
+    Args:
+        rng_type: a :class:`~kwplug.utils.RNGType` value: ``"torch"`` (the CPU generator),
+            ``"cuda"``, ``"xpu"``, ``"npu"``, ``"mlu"``, ``"musa"``, ``"sdaa"``, ``"hpu"``,
+            ``"neuron"`` (that device module's current generator), or ``"generator"``
+            (``generator``). ``None`` does nothing (Accelerate's default).
+        generator: the ``torch.Generator`` for ``"generator"``.
+
+    Raises:
+        ValueError: ``rng_type`` is not an RNGType value, ``"xla"`` (kwplug has no XLA
+            support), or ``"generator"`` without ``generator``.
+        RuntimeError: the device module of ``rng_type`` is not available here.
+    """
+    from kwplug.utils.dataclasses import RNGType
+    from kwplug.utils.operations import _object_device, _world_size
+
+    if rng_type is None:
+        return
+    try:
+        kind = RNGType(rng_type)
+    except ValueError:
+        choices = ", ".join(repr(t.value) for t in RNGType)
+        raise ValueError(f"rng_type must be one of {choices}, got {rng_type!r}") from None
+    if kind is RNGType.XLA:
+        raise ValueError("rng_type 'xla': kwplug has no XLA support")
+    get: Callable[[], torch.Tensor]
+    put: Callable[[torch.Tensor], Any]
+    if kind is RNGType.GENERATOR:
+        if not isinstance(generator, torch.Generator):
+            raise ValueError("rng_type 'generator' needs generator=<torch.Generator>")
+        get, put = generator.get_state, generator.set_state
+    elif kind is RNGType.TORCH:
+        get, put = torch.get_rng_state, torch.set_rng_state
+    else:
+        module = getattr(torch, kind.value, None)
+        if module is None or not module.is_available():
+            raise RuntimeError(f"rng_type {kind.value!r}: torch.{kind.value} is not available")
+        get, put = module.get_rng_state, module.set_rng_state
+    if _world_size() == 1:
+        return
+    import torch.distributed as dist
+
+    # The state is a uint8 CPU tensor; the collective runs on the backend's device.
+    state = get()
+    device = _object_device(None)
+    sent = state.to(device)
+    dist.broadcast(sent, src=0)
+    put(sent.cpu())
+
+
+def synchronize_rng_states(rng_types: list[str], generator: torch.Generator | None = None) -> None:
+    """:func:`synchronize_rng_state` for each of ``rng_types``, in order.
+
+    Raises:
+        ValueError: see :func:`synchronize_rng_state`.
+    """
+    for rng_type in rng_types:
+        synchronize_rng_state(rng_type, generator=generator)

@@ -7,6 +7,11 @@ hooks of :data:`BUILTIN_HOOKS` (``"fp16"``, ``"bf16"``, ``"power_sgd"``,
 registered. :data:`BUILTIN_HOOKS` is the one table of built-in hooks: the names, the
 ``comm_wrapper`` factories and the layout-dependent hooks are all derived from it.
 
+Everything a hook's state needs beyond the hook function lives here too, declared on its
+:class:`~kwplug.CommHook` record (built-in and third-party alike): :func:`compose` builds the
+callable DDP registers (hook, compression wrapper, gloo serialisation, canonical buckets) and
+:func:`checkpointed_state` what checkpoints save, restore and resize (:class:`HookCheckpoint`).
+
 Every hook follows PyTorch's contract for
 ``torch.nn.parallel.DistributedDataParallel.register_comm_hook``:
 ``hook(state, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]``,
@@ -15,9 +20,11 @@ where the future's tensor is the *averaged* gradient bucket (same shape as
 
 Modules (private; import the names from here): ``_table`` (the table), ``_allreduce`` (plain
 and low-precision all-reduce, compression wrappers), ``_power_sgd`` (PowerSGD state, options
-and the batched hook), ``_canonical`` (the layout-independent bucket view that makes a resumed
-PowerSGD run exact), ``_adapters`` (gloo serialisation, making any callable acceptable to
-DDP), ``_common`` (shared helpers).
+and the batched hook), ``_power_sgd_state`` (PowerSGD's save, restore and resize rules),
+``_compose`` (the registered callable), ``_checkpoint`` (a hook's state as checkpoints see it),
+``_canonical`` (the layout-independent bucket view that makes a resumed PowerSGD run exact),
+``_adapters`` (gloo serialisation, making any callable acceptable to DDP), ``_common`` (shared
+helpers).
 """
 
 from collections.abc import Mapping
@@ -37,6 +44,8 @@ from kwplug.plugins.ddp_comm_hooks._canonical import (
     CanonicalBucket,
     canonical_bucket_hook,
 )
+from kwplug.plugins.ddp_comm_hooks._checkpoint import HookCheckpoint, checkpointed_state
+from kwplug.plugins.ddp_comm_hooks._compose import compose
 from kwplug.plugins.ddp_comm_hooks._power_sgd import (
     POWER_SGD_OPTIONS,
     POWER_SGD_SCHEMA,
@@ -45,42 +54,63 @@ from kwplug.plugins.ddp_comm_hooks._power_sgd import (
     make_power_sgd_state,
     power_sgd_state_buckets,
 )
+from kwplug.plugins.ddp_comm_hooks._power_sgd_state import (
+    POWER_SGD_KEPT,
+    POWER_SGD_RESIZE_NOTE,
+    load_power_sgd_state,
+    power_sgd_state_dict,
+    resize_power_sgd_state,
+)
 from kwplug.plugins.ddp_comm_hooks._table import (
     BUILTIN_BY_NAME,
     BUILTIN_HOOK_NAMES,
     BUILTIN_HOOKS,
+    CALLABLE_SOURCE,
     COMPRESSION_WRAPPERS,
     LAYOUT_DEPENDENT_HOOKS,
+    POWER_SGD_RULES,
     SOURCE,
     BuiltinHook,
     builtin_comm_hooks,
+    callable_record,
 )
 
 __all__ = [
     "BUILTIN_BY_NAME",
     "BUILTIN_HOOKS",
     "BUILTIN_HOOK_NAMES",
+    "CALLABLE_SOURCE",
     "COMPRESSION_WRAPPERS",
     "LAYOUT_DEPENDENT_HOOKS",
+    "POWER_SGD_KEPT",
     "POWER_SGD_OPTIONS",
+    "POWER_SGD_RESIZE_NOTE",
+    "POWER_SGD_RULES",
     "POWER_SGD_SCHEMA",
     "SOURCE",
     "BucketKey",
     "BuiltinHook",
     "CanonicalBucket",
+    "HookCheckpoint",
     "batched_power_sgd_hook",
     "bf16_compress_allreduce_hook",
     "bf16_compress_wrapper",
     "builtin_comm_hooks",
+    "callable_record",
     "canonical_bucket_hook",
     "check_power_sgd_options",
+    "checkpointed_state",
     "comm_hooks",
+    "compose",
     "ddp_compatible_hook",
     "fp16_compress_allreduce_hook",
     "fp16_compress_wrapper",
+    "load_power_sgd_state",
     "make_power_sgd_state",
     "mean_allreduce_hook",
     "power_sgd_state_buckets",
+    "power_sgd_state_dict",
+    "resize_power_sgd_state",
     "serialized_hook",
 ]
 

@@ -276,3 +276,34 @@ def test_a_new_run_saving_below_older_numbers_keeps_its_save(tmp_path: Path) -> 
     again.save_state()
     assert saved.is_dir() and saved.name == "checkpoint_0"
     assert _names(tmp_path / "k") == _names(tmp_path / "a") == ["checkpoint_0", "checkpoint_6"]
+
+
+def per_rank_directories(root: str) -> dict[str, Any]:
+    """Run in each rank: rank 0 saves into its own folder, then every rank loads from a folder
+    of its own (as a script using one tempfile.TemporaryDirectory per process does)."""
+    import kwplug
+
+    accelerator = kwplug.Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 1))
+    mine = Path(root) / f"rank{accelerator.process_index}"
+    accelerator.save_state(str(mine))
+    del model
+    try:
+        accelerator.load_state(str(mine))
+    except FileNotFoundError as exc:
+        return {"error": str(exc)}
+    finally:
+        accelerator.end_training()
+    return {"error": None}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_without_the_checkpoint_stops_every_rank(tmp_path: Path) -> None:
+    # Only rank 0 writes: rank 1's folder holds no checkpoint. Every rank raises, none waits
+    # in a collective for the other (the job ends well before its timeout).
+    from kwplug.testing import run_distributed
+
+    rank0, rank1 = run_distributed(per_rank_directories, str(tmp_path), nproc=2, timeout=60)
+    assert rank1["error"].startswith(f"no complete kwplug checkpoint at '{tmp_path / 'rank1'}'")
+    assert rank0["error"].startswith("rank 1 found no complete kwplug checkpoint")
+    assert "every process must load a checkpoint" in rank0["error"]

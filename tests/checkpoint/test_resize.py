@@ -1,5 +1,6 @@
 """Resuming on another number of processes: exact global sample coverage, equal model and
-optimizer state, PowerSGD's per-process state reset with one warning, refusals."""
+optimizer state, PowerSGD's per-process state reset (by its CommHook's rule) with one warning,
+refusals."""
 
 from __future__ import annotations
 
@@ -238,16 +239,21 @@ class Residuals:
 
 @pytest.mark.usefixtures("one_process_group")
 def test_hook_state_keeps_counters_and_resets_per_process_state() -> None:
+    # PowerSGD's rule comes with its CommHook record (the core knows no hook): counters kept.
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
     from kwplug.checkpoint._stateful import hook_state_dict
+    from kwplug.plugins import ddp_comm_hooks
 
-    def power_sgd() -> PowerSGDState:
-        return PowerSGDState(process_group=None, start_powerSGD_iter=2)
+    record = ddp_comm_hooks.builtin_comm_hooks()["power_sgd"]
+
+    def power_sgd() -> Any:
+        state = PowerSGDState(process_group=None, start_powerSGD_iter=2)
+        return ddp_comm_hooks.checkpointed_state(record, state)
 
     saved, residuals = power_sgd(), Residuals()
-    saved.iter, saved.error_dict = 7, {0: torch.ones(3)}
-    saved.p_memory_dict, saved.q_memory_dict = {0: torch.ones(2)}, {0: torch.ones(2)}
+    saved.state.iter, saved.state.error_dict = 7, {0: torch.ones(3)}
+    saved.state.p_memory_dict, saved.state.q_memory_dict = {0: torch.ones(2)}, {0: torch.ones(2)}
     residuals.value = torch.ones(2)
     snapshots = [[hook_state_dict(saved), hook_state_dict(residuals)]]
     live, fresh = power_sgd(), Residuals()
@@ -257,8 +263,8 @@ def test_hook_state_keeps_counters_and_resets_per_process_state() -> None:
     (warning,) = [str(w.message) for w in records if issubclass(w.category, KwplugWarning)]
     assert "model 0: PowerSGDState (per-process state reset, counters kept)" in warning
     assert "model 0: Residuals (reset)" in warning
-    assert live.iter == 7  # compression goes on without a new warm-up
-    assert live.error_dict == live.p_memory_dict == live.q_memory_dict == {}
+    assert live.state.iter == 7  # compression goes on without a new warm-up
+    assert live.state.error_dict == live.state.p_memory_dict == live.state.q_memory_dict == {}
     assert torch.equal(fresh.value, torch.zeros(2))
 
 

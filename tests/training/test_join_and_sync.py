@@ -153,20 +153,29 @@ def test_single_process_is_a_no_op() -> None:
     assert model.weight.grad is not None
 
 
-def not_joinable_worker() -> list[str]:
-    """Each rank: join_uneven_inputs over something that is not a torch Joinable."""
+def not_joinable_worker() -> list[list[str]]:
+    """Each rank: join_uneven_inputs over something that is not a torch Joinable, then over a
+    DDP model while the state reports FSDP (as Accelerate's test script sets it)."""
     accelerator = kwplug.Accelerator(cpu=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with accelerator.join_uneven_inputs([torch.nn.Linear(2, 1)]):
-            pass
-    return [str(w.message) for w in caught if issubclass(w.category, KwplugWarning)]
+    found = []
+    model = accelerator.prepare(torch.nn.Linear(2, 1))
+    for joinable, distributed_type in ((torch.nn.Linear(2, 1), None), (model, "FSDP")):
+        if distributed_type is not None:
+            accelerator.state.distributed_type = distributed_type
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with accelerator.join_uneven_inputs([joinable]):
+                pass
+        found.append([str(w.message) for w in caught if issubclass(w.category, KwplugWarning)])
+    return found
 
 
 @pytest.mark.parametrize("nproc", [2])
 def test_not_joinable_warns_and_does_nothing(nproc: int) -> None:
-    for messages in run_distributed(not_joinable_worker, nproc=nproc, timeout=120):
-        assert len(messages) == 1 and "Joinable" in messages[0] and "Linear" in messages[0]
+    for linear, sharded in run_distributed(not_joinable_worker, nproc=nproc, timeout=120):
+        assert len(linear) == 1 and "Joinable" in linear[0] and "Linear" in linear[0]
+        assert len(sharded) == 1 and "only supported for multi-GPU or multi-CPU" in sharded[0]
+        assert "distributed_type is FSDP" in sharded[0]
 
 
 @attrs.define

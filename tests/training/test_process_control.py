@@ -167,3 +167,19 @@ def test_on_process_needs_an_index_and_split_checks_lengths() -> None:
     assert accelerator.check_trigger() is False
     accelerator.set_trigger()
     assert accelerator.check_trigger() is True and accelerator.check_trigger() is False
+
+
+def test_pickling_an_accelerator_is_a_clear_error_and_its_prepared_objects_pickle() -> None:
+    import pickle
+
+    accelerator = kwplug.Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    _, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
+    for prepared in (optimizer, scheduler, loader):
+        assert type(pickle.loads(pickle.dumps(prepared))) is type(prepared)
+    for attempt in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match="an Accelerator cannot be pickled .* save_state"):
+            attempt(accelerator)

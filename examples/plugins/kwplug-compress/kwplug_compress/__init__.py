@@ -11,7 +11,9 @@ Installing the distribution registers this module under the ``kwplug.handlers`` 
 
 Select one with ``kwplug.DistributedDataParallelKwargs(comm_hook="topk",
 comm_state_option={"ratio": 0.01})``. Only kwplug's public API is used (``kwplug.hookimpl``,
-``kwplug.CommHook``).
+``kwplug.CommHook``). Each record also says how its per-rank residuals move to another number of
+processes (``resize``: :func:`~kwplug_compress.state.resize_residuals`); nothing in kwplug
+knows these hooks.
 """
 
 from collections.abc import Mapping
@@ -19,6 +21,7 @@ from collections.abc import Mapping
 import kwplug
 from kwplug_compress.hooks import int8_bytes, int8_hook, topk_bytes, topk_count, topk_hook
 from kwplug_compress.state import (
+    RESIZE_NOTE,
     Int8State,
     ResidualMemory,
     TopKState,
@@ -26,10 +29,13 @@ from kwplug_compress.state import (
     check_topk_options,
     make_int8_state,
     make_topk_state,
+    residual_buckets,
+    resize_residuals,
 )
 
 __all__ = [
     "HOOK_NAMES",
+    "RESIZE_NOTE",
     "Int8State",
     "ResidualMemory",
     "TopKState",
@@ -40,6 +46,8 @@ __all__ = [
     "int8_hook",
     "make_int8_state",
     "make_topk_state",
+    "residual_buckets",
+    "resize_residuals",
     "topk_bytes",
     "topk_count",
     "topk_hook",
@@ -54,14 +62,27 @@ def comm_hooks() -> Mapping[str, kwplug.CommHook]:
     """kwplug's ``comm_hooks`` hook: the ``"int8"`` and ``"topk"`` hooks by name.
 
     Returns:
-        ``"int8"`` and ``"topk"`` :class:`kwplug.CommHook` records (hook, state factory and
-        option check); kwplug records this plugin's entry point as their source.
+        ``"int8"`` and ``"topk"`` :class:`kwplug.CommHook` records (hook, state factory,
+        option check and resize rule; the states save themselves through their
+        ``state_dict``/``load_state_dict``); kwplug records this plugin's entry point as their
+        source.
     """
+    # Looked up when called, so that a caller replacing a factory here is seen by kwplug.
     return {
         "int8": kwplug.CommHook(
-            "int8", int8_hook, make_int8_state, check_options=check_int8_options
+            "int8",
+            int8_hook,
+            make_int8_state,
+            check_options=check_int8_options,
+            resize=resize_residuals,
+            resize_note=RESIZE_NOTE,
         ),
         "topk": kwplug.CommHook(
-            "topk", topk_hook, make_topk_state, check_options=check_topk_options
+            "topk",
+            topk_hook,
+            make_topk_state,
+            check_options=check_topk_options,
+            resize=resize_residuals,
+            resize_note=RESIZE_NOTE,
         ),
     }

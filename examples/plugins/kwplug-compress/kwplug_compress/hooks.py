@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from kwplug_compress.state import Int8State, Layout, TopKState
+from kwplug_compress.state import BucketIndex, Int8State, Layout, TopKState
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket
@@ -73,7 +73,7 @@ def _layout(bucket: GradBucket) -> Layout:
 
 
 def _corrected(
-    buffer: torch.Tensor, index: int, layout: Layout, state: Int8State | TopKState
+    buffer: torch.Tensor, index: BucketIndex, layout: Layout, state: Int8State | TopKState
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     # The float32 gradient plus this bucket's residual (error feedback), and the residual to
     # overwrite (or None). With error feedback the residual itself becomes the corrected
@@ -107,7 +107,7 @@ def _all_gather(
 
 def _cached(
     state: Int8State | TopKState,
-    index: int,
+    index: BucketIndex,
     role: str,
     shape: tuple[int, ...],
     dtype: torch.dtype,

@@ -4,6 +4,10 @@ kwplug builds a hook's state once per DDP model, when ``accelerator.prepare(mode
 by calling the :class:`kwplug.CommHook`'s ``make_state(process_group, comm_state_option)``.
 The factories here check every option first, so a misspelt key or a bad value fails before
 DDP is built and before any collective runs.
+
+Checkpoints save a state's residuals through its ``state_dict()``/``load_state_dict()``;
+resuming on another number of processes, the records' ``resize`` rule,
+:func:`resize_residuals`, says what each new process starts from.
 """
 
 from collections.abc import Mapping
@@ -17,17 +21,33 @@ from kwplug.validators import OptionSchema, Validator, number, strict_bool
 
 __all__ = [
     "INT8_OPTIONS",
+    "RESIZE_NOTE",
     "TOPK_OPTIONS",
+    "BucketIndex",
     "Int8State",
     "Layout",
     "ResidualMemory",
     "TopKState",
     "make_int8_state",
     "make_topk_state",
+    "residual_buckets",
+    "resize_residuals",
 ]
 
 #: The shapes of a bucket's parameters, in bucket order: what a residual's entries mean.
 Layout = tuple[tuple[int, ...], ...]
+
+#: A bucket's ``index()``: DDP's ``int``, or kwplug's canonical key (the sorted indices of its
+#: parameters in ``model.parameters()``), which the records ask for with ``state_buckets``.
+BucketIndex = int | tuple[int, ...]
+
+
+def _bucket_index(index: Any) -> BucketIndex:
+    # A saved key back as the hook sees it (a canonical key may come back as a list).
+    if isinstance(index, (list, tuple)):
+        return tuple(int(i) for i in index)
+    return int(index)
+
 
 #: Options of ``"int8"`` and their defaults.
 INT8_OPTIONS: Mapping[str, Any] = {"chunk_size": 512, "error_feedback": False}
@@ -43,19 +63,21 @@ class ResidualMemory:
     its buckets after the first step (in the order gradients became ready), so each residual is
     stored with its bucket's :data:`Layout` and a bucket whose layout changed starts again
     from zeros. Residuals restored by :meth:`load_state_dict` wait until a bucket with their
-    layout appears: a resumed run's first step still uses DDP's initial layout, and the saved
-    residuals belong to the rebuilt one.
+    layout appears: a resumed run's first step still uses DDP's initial layout. A record
+    giving ``state_buckets=residual_buckets`` would have kwplug hand the hooks canonical
+    buckets instead (the same index and layout whatever DDP's), at the price of another
+    element order inside the blocks of top-k's selection.
     """
 
     def __init__(self) -> None:
-        self._live: dict[int, tuple[Layout, torch.Tensor]] = {}
-        self._restored: dict[int, tuple[Layout, torch.Tensor]] = {}
+        self._live: dict[BucketIndex, tuple[Layout, torch.Tensor]] = {}
+        self._restored: dict[BucketIndex, tuple[Layout, torch.Tensor]] = {}
 
-    def residual(self, index: int, layout: Layout, like: torch.Tensor) -> torch.Tensor:
+    def residual(self, index: BucketIndex, layout: Layout, like: torch.Tensor) -> torch.Tensor:
         """The residual of bucket ``index`` (a float32 tensor to update in place).
 
         Args:
-            index: ``GradBucket.index()``.
+            index: the bucket's ``index()``.
             layout: the bucket's :data:`Layout`.
             like: the bucket buffer; a new residual has its number of elements and device.
 
@@ -91,6 +113,10 @@ class ResidualMemory:
             }
         }
 
+    def keys(self) -> list[BucketIndex]:
+        """The bucket indices holding a residual (live or restored and not used yet)."""
+        return list({**self._restored, **self._live})
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace every residual with the ones :meth:`state_dict` returned.
 
@@ -99,7 +125,7 @@ class ResidualMemory:
         """
         self._live.clear()
         self._restored = {
-            int(index): (
+            _bucket_index(index): (
                 tuple(tuple(int(d) for d in shape) for shape in entry["layout"]),
                 entry["residual"].detach().to(torch.float32).clone(),
             )
@@ -142,7 +168,7 @@ class Int8State(_CheckpointedResiduals):
     chunk_size: int = 512
     error_feedback: bool = False
     memory: ResidualMemory = field(default_factory=ResidualMemory)
-    buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+    buffers: dict[tuple[BucketIndex, str], torch.Tensor] = field(default_factory=dict, repr=False)
 
 
 @dataclass(eq=False)
@@ -164,7 +190,47 @@ class TopKState(_CheckpointedResiduals):
     ratio: float = 0.01
     error_feedback: bool = True
     memory: ResidualMemory = field(default_factory=ResidualMemory)
-    buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+    buffers: dict[tuple[BucketIndex, str], torch.Tensor] = field(default_factory=dict, repr=False)
+
+
+def residual_buckets(state: Int8State | TopKState) -> list[BucketIndex]:
+    """A ``state_buckets`` rule for the ``"int8"`` and ``"topk"`` states: the bucket keys the
+    state's residuals are kept under, for a record that asks kwplug for canonical buckets
+    (the built-in records do not: see :class:`ResidualMemory`)."""
+    return state.memory.keys()
+
+
+#: What :func:`resize_residuals` does not carry over, as kwplug's resize warning names it.
+RESIZE_NOTE = "every process starts from the saved rank 0's residuals"
+
+
+def resize_residuals(
+    saved: Mapping[str, Any], old_world_size: int, new_world_size: int
+) -> dict[str, Any]:
+    """The ``resize`` rule of the ``"int8"`` and ``"topk"`` records: what a process of a run
+    with ``new_world_size`` processes loads of the residuals the saved rank 0 saved.
+
+    A residual is what a rank still owes the average: the hooks add it to that rank's next
+    gradient, and the average divides the ranks' sum by their number, so the ranks' *mean*
+    residual is what the averaged gradient owes. Every new process starts from the saved rank
+    0's residuals: the mean of the new residuals is then rank 0's, which is exactly the owed
+    amount when growing from one process and rank 0's share of it, an estimate of the mean,
+    when shrinking (the other ranks' residuals are not read). Layouts are kept, so each
+    residual still waits for its bucket's layout.
+
+    Args:
+        saved: what :meth:`ResidualMemory.state_dict` returned on the saved rank 0.
+        old_world_size: processes that saved it.
+        new_world_size: processes that load it.
+
+    Returns:
+        A copy of ``saved`` (the same residuals on every new process).
+
+    Raises:
+        KeyError: ``saved`` lacks ``"residuals"``.
+    """
+    del old_world_size, new_world_size  # the same rule whatever the sizes
+    return {"residuals": dict(saved["residuals"])}
 
 
 def _schema(hook: str, defaults: Mapping[str, Any], value: Validator) -> OptionSchema:
