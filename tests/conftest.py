@@ -40,6 +40,8 @@ def _offline_trackers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
         "WANDB_CONSOLE": "off",  # no capture of sys.stdout next to pytest's
         "MLFLOW_TRACKING_URI": (folder / "mlruns").as_uri(),
         "MLFLOW_ALLOW_FILE_STORE": "true",  # MLflow 3.x refuses file: stores without it
+        "COMET_START_ONLINE": "false",
+        "COMET_OFFLINE_DIRECTORY": str(folder / "comet"),
     }
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
