@@ -115,11 +115,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--log-with",
         default=None,
         metavar="TRACKER",
-        help="log train_loss/test_accuracy per epoch: tensorboard, wandb, mlflow (each needs "
-        "its kwplug[...] extra), jsonl, all, or a name a tracker plugin contributes; files go "
-        "to --project-dir. Offline unless set otherwise: wandb runs with WANDB_MODE=offline "
-        "in <project-dir>/wandb when neither WANDB_MODE nor WANDB_API_KEY is set, mlflow "
-        "into the file store <project-dir>/mlruns when MLFLOW_TRACKING_URI is unset",
+        help="log train_loss/test_accuracy per epoch: tensorboard, wandb, mlflow, comet_ml "
+        "(each needs its kwplug[...] extra), jsonl, all, or a name a tracker plugin "
+        "contributes; files go to --project-dir. Offline unless the environment says "
+        "otherwise: wandb with WANDB_MODE=offline in <project-dir>/wandb (unless WANDB_MODE "
+        "or WANDB_API_KEY is set), mlflow in the file store <project-dir>/mlruns (unless "
+        "MLFLOW_TRACKING_URI is set), comet_ml as an offline archive in <project-dir>/comet "
+        "(unless COMET_API_KEY is set)",
     )
     parser.add_argument(
         "--project-dir", default="runs", help="where trackers write (<dir>/train_digits)"
@@ -331,14 +333,18 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> tuple[float, bo
 
 
 def offline_tracking(log_with: str | None, project_dir: str) -> None:
-    """Keep wandb and mlflow runs on this machine unless the environment says otherwise."""
-    if log_with not in ("wandb", "mlflow", "all"):
+    """Keep wandb, mlflow and comet_ml runs on this machine unless the environment says
+    otherwise."""
+    if log_with not in ("wandb", "mlflow", "comet_ml", "all"):
         return
-    if log_with != "mlflow" and not ({"WANDB_MODE", "WANDB_API_KEY"} & os.environ.keys()):
+    if log_with in ("comet_ml", "all") and "COMET_API_KEY" not in os.environ:
+        os.environ.setdefault("COMET_START_ONLINE", "false")  # upload later: comet upload
+        os.environ.setdefault("COMET_OFFLINE_DIRECTORY", os.path.join(project_dir, "comet"))
+    if log_with in ("wandb", "all") and not ({"WANDB_MODE", "WANDB_API_KEY"} & os.environ.keys()):
         os.environ["WANDB_MODE"] = "offline"  # upload later: wandb sync <run folder>
         os.environ.setdefault("WANDB_DIR", project_dir)
         os.makedirs(project_dir, exist_ok=True)
-    if log_with != "wandb" and "MLFLOW_TRACKING_URI" not in os.environ:
+    if log_with in ("mlflow", "all") and "MLFLOW_TRACKING_URI" not in os.environ:
         store = os.path.abspath(os.path.join(project_dir, "mlruns"))
         os.environ["MLFLOW_TRACKING_URI"] = "file:" + store
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for it

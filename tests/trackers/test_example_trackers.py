@@ -11,7 +11,15 @@ from python import python
 from wandb_records import read_run, run_folder
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
-VARIABLES = ("WANDB_MODE", "WANDB_DIR", "WANDB_API_KEY", "MLFLOW_TRACKING_URI")
+VARIABLES = (
+    "WANDB_MODE",
+    "WANDB_DIR",
+    "WANDB_API_KEY",
+    "MLFLOW_TRACKING_URI",
+    "COMET_API_KEY",
+    "COMET_START_ONLINE",
+    "COMET_OFFLINE_DIRECTORY",
+)
 
 
 def run_example(tracker: str, project_dir: Path) -> None:
@@ -47,3 +55,14 @@ def test_example_logs_to_a_local_mlflow_store(tmp_path: Path) -> None:
     assert [m.step for m in losses] == [1, 2] and losses[1].value < losses[0].value
     assert [m.step for m in client.get_metric_history(run.info.run_id, "test_accuracy")] == [1, 2]
     assert mlflow.get_tracking_uri() != uri  # the example's setting stayed in its process
+
+
+def test_example_logs_to_an_offline_comet_archive(tmp_path: Path) -> None:
+    pytest.importorskip("comet_ml")
+    from test_comet_ml import read_archive
+
+    run_example("comet_ml", tmp_path)
+    logged = read_archive(tmp_path / "comet")
+    assert logged["project"] == "train_digits" and logged["params"]["lr"] == 0.01
+    losses = logged["metrics"]["train_loss"]
+    assert [s for s, _ in losses] == [1, 2] and losses[1][1] < losses[0][1]
