@@ -172,7 +172,50 @@ def explain(device_type: str, mixed_precision: str) -> dict[str, Any]:
     return report
 
 
+TRACKER_COLUMNS = ("tracker", "plugin", "status", "install")
+
+
+def tracker_rows() -> list[dict[str, Any]]:
+    """One row per tracker the loaded plugins contribute (their ``trackers`` hook), sorted by
+    name: the plugin giving it, and ``status`` ``"available"`` or ``"missing"`` (its
+    ``is_available()`` is false; ``install`` then says what to ``pip install``). A plugin
+    whose ``trackers`` hook raises is listed once with status ``"failed"``."""
+    from kwplug._plugins import KwplugPluginManager
+    from kwplug.errors import PluginHookError
+
+    pm = KwplugPluginManager.for_handlers([], discover(strict=False))
+    rows: list[dict[str, Any]] = []
+    for impl in pm.hook_impls("trackers"):
+        plugin = pm.describe(impl.plugin_name)
+        try:
+            answers = pm.call_each("trackers", only=functools.partial(str.__eq__, impl.plugin_name))
+        except PluginHookError as exc:
+            rows.append({"tracker": "-", "plugin": plugin, "status": "failed", "install": ""})
+            rows[-1]["error"] = str(exc)
+            continue
+        for _, answer in answers:
+            for name, factory in dict(answer or {}).items():
+                available = bool(getattr(factory, "is_available", lambda: True)())
+                install = "" if available else getattr(factory, "requirement", None) or ""
+                rows.append(
+                    {
+                        "tracker": str(name),
+                        "plugin": plugin,
+                        "status": "available" if available else "missing",
+                        "install": f"pip install '{install}'" if install else "",
+                    }
+                )
+    return sorted(rows, key=lambda row: (row["tracker"], row["plugin"]))
+
+
 def _cmd_plugins(args: argparse.Namespace) -> int:
+    if args.trackers:
+        tracker_table = tracker_rows()
+        if args.json:
+            print(json.dumps(tracker_table, indent=2))
+        else:
+            print(format_table(tracker_table, TRACKER_COLUMNS))
+        return 0
     if args.explain:
         report = explain(args.device, args.mixed_precision)
         if args.json:
@@ -238,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--explain",
         action="store_true",
         help="show, for each hook, the plugins in call order and what would reach torch",
+    )
+    plugins.add_argument(
+        "--trackers",
+        action="store_true",
+        help="list the trackers (log_with names) the plugins contribute, and whether each "
+        "one's package is installed",
     )
     plugins.add_argument(
         "--mixed-precision",

@@ -79,14 +79,20 @@ def prepare_data_loader(
             :class:`kwplug.state.PartialState`'s).
         num_processes: processes to shard for (default: the run's).
         process_index: the shard this process reads (default: its global rank).
-        split_batches, dispatch_batches, even_batches, use_seedable_sampler, data_seed,
-            non_blocking, use_stateful_dataloader: as the fields of
-            :class:`~kwplug.utils.DataLoaderConfiguration` (same defaults).
+        split_batches: as the field of :class:`~kwplug.utils.DataLoaderConfiguration` (same
+            default), as are the six below.
+        dispatch_batches: the ``DataLoaderConfiguration`` field (same default).
+        even_batches: the ``DataLoaderConfiguration`` field (same default).
+        use_seedable_sampler: the ``DataLoaderConfiguration`` field (same default).
+        data_seed: the ``DataLoaderConfiguration`` field (same default).
+        non_blocking: the ``DataLoaderConfiguration`` field (same default).
+        use_stateful_dataloader: the ``DataLoaderConfiguration`` field (same default).
         put_on_device: ``bool``, default ``False``; move each batch to ``device``.
         rng_types: ``None`` (default) or ``["generator"]``: a loader shuffling with a
             generator draws the same order on every process (broadcast from process 0 at each
             epoch start), whatever this says.
-        slice_fn_for_dispatch, torch_device_mesh: accepted as ``None`` only.
+        slice_fn_for_dispatch: accepted as ``None`` only.
+        torch_device_mesh: accepted as ``None`` only.
 
     Returns:
         A :class:`~kwplug.data.PreparedDataLoader` (:class:`DataLoaderDispatcher` when

@@ -93,6 +93,19 @@ class TrackerConfigWarning(KwplugWarning):
         self.keys = keys
 
 
+class FrozenModelWarning(KwplugWarning):
+    """``prepare`` left a model without trainable parameters unwrapped (no DDP) in a
+    multi-process run.
+
+    Attributes:
+        model: the model's class name.
+    """
+
+    def __init__(self, message: str, *, model: str) -> None:
+        super().__init__(message)
+        self.model = model
+
+
 class PluginLoadError(KwplugError, RuntimeError):
     """A handler plugin failed to load while ``KWPLUG_STRICT_PLUGINS=1``.
 
@@ -230,6 +243,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DistributedRunError",
+    "FrozenModelWarning",
     "KwplugError",
     "KwplugWarning",
     "MissingFeatureError",

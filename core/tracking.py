@@ -16,8 +16,11 @@ Trackers exist on the main process only (``init_trackers`` builds none elsewhere
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -25,7 +28,15 @@ from typing import Any, ClassVar
 from kwplug._additive import merge
 from kwplug.errors import TrackerConfigWarning
 
-__all__ = ["GeneralTracker", "TrackerFactory", "flatten_config", "merge_trackers"]
+__all__ = [
+    "GeneralTracker",
+    "TrackerFactory",
+    "flatten_config",
+    "import_tracker_package",
+    "merge_trackers",
+    "package_installed",
+    "plain_value",
+]
 
 #: What a flat configuration value may be (TensorBoard's ``add_hparams`` accepts these).
 ConfigValue = bool | int | float | str | None
@@ -52,6 +63,10 @@ class GeneralTracker:
 
     #: Accelerate's flag; kwplug runs every tracker on the main process only.
     main_process_only: ClassVar[bool] = True
+    #: What to ``pip install`` for the optional package :meth:`is_available` checks (e.g.
+    #: ``"kwplug[wandb]"``), shown by ``kwplug plugins --trackers`` when it is missing;
+    #: ``None``: the tracker needs nothing beyond kwplug.
+    requirement: ClassVar[str | None] = None
     # Declared, not defined: a subclass must define them (checked in __init__).
     name: ClassVar[str]
     requires_logging_directory: ClassVar[bool]
@@ -96,6 +111,43 @@ class GeneralTracker:
 
     def finish(self) -> None:
         """Close the run and flush what is buffered; called by ``Accelerator.end_training``."""
+
+
+def package_installed(module: str) -> bool:
+    """Whether the top-level package ``module`` can be imported, without importing it (what a
+    tracker's :meth:`GeneralTracker.is_available` usually answers).
+
+    Args:
+        module: an importable name, e.g. ``"wandb"``.
+    """
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken half-installed package, a bad sys.modules
+        return False
+
+
+def import_tracker_package(module: str, tracker: str, install: str) -> types.ModuleType:
+    """Import the package a tracker needs, or fail with the command that installs it.
+
+    Args:
+        module: the package to import, e.g. ``"wandb"``.
+        tracker: the tracker's name (``log_with``), for the message.
+        install: what to ``pip install`` to get it, e.g. ``"kwplug[wandb]"``.
+
+    Returns:
+        The imported module.
+
+    Raises:
+        ModuleNotFoundError: ``module`` (or a package it imports) is not installed; the message
+            names the tracker and ``pip install '<install>'``.
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"log_with={tracker!r} needs the {exc.name or module} package: pip install '{install}'",
+            name=exc.name,
+        ) from exc
 
 
 #: What a plugin's ``trackers`` hook maps each name to: a callable building the tracker
@@ -178,6 +230,18 @@ def _outside_kwplug() -> int:
 
 
 _NOT_SCALAR = object()
+
+
+def plain_value(value: Any) -> Any:
+    """``value`` as a Python number when it is a one-element tensor or a NumPy scalar (or
+    one-element array); any other value unchanged. Trackers whose clients want plain numbers
+    pass ``log`` values through it (``accelerator.log({"loss": loss})`` with a 0-d tensor).
+
+    Args:
+        value: a logged value.
+    """
+    plain = _scalar(value)
+    return value if plain is _NOT_SCALAR else plain
 
 
 def _scalar(value: Any) -> Any:

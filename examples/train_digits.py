@@ -10,6 +10,8 @@ Single process (CPU, or the GPU when there is one)::
     python examples/train_digits.py --mixed-precision bf16
     python examples/train_digits.py --mixed-precision fp16      # with a GradScaler
     python examples/train_digits.py --log-with tensorboard    # then: tensorboard --logdir runs
+    python examples/train_digits.py --log-with wandb          # offline run in runs/wandb
+    python examples/train_digits.py --log-with mlflow         # file store in runs/mlruns
 
 Two processes on the CPU (gloo), gradients all-reduced in bfloat16, the first training steps
 profiled (each rank writes one Chrome trace into ``traces/``, open it in chrome://tracing or
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -112,8 +115,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--log-with",
         default=None,
         metavar="TRACKER",
-        help="log train_loss/test_accuracy per epoch: tensorboard (needs kwplug[tensorboard]), "
-        "jsonl, all, or a name a tracker plugin contributes; files go to --project-dir",
+        help="log train_loss/test_accuracy per epoch: tensorboard, wandb, mlflow, comet_ml "
+        "(each needs its kwplug[...] extra), jsonl, all, or a name a tracker plugin "
+        "contributes; files go to --project-dir. Offline unless the environment says "
+        "otherwise: wandb with WANDB_MODE=offline in <project-dir>/wandb (unless WANDB_MODE "
+        "or WANDB_API_KEY is set), mlflow in the file store <project-dir>/mlruns (unless "
+        "MLFLOW_TRACKING_URI is set), comet_ml as an offline archive in <project-dir>/comet "
+        "(unless COMET_API_KEY is set)",
     )
     parser.add_argument(
         "--project-dir", default="runs", help="where trackers write (<dir>/train_digits)"
@@ -324,8 +332,27 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> tuple[float, bo
     return accuracy, identical
 
 
+def offline_tracking(log_with: str | None, project_dir: str) -> None:
+    """Keep wandb, mlflow and comet_ml runs on this machine unless the environment says
+    otherwise."""
+    if log_with not in ("wandb", "mlflow", "comet_ml", "all"):
+        return
+    if log_with in ("comet_ml", "all") and "COMET_API_KEY" not in os.environ:
+        os.environ.setdefault("COMET_START_ONLINE", "false")  # upload later: comet upload
+        os.environ.setdefault("COMET_OFFLINE_DIRECTORY", os.path.join(project_dir, "comet"))
+    if log_with in ("wandb", "all") and not ({"WANDB_MODE", "WANDB_API_KEY"} & os.environ.keys()):
+        os.environ["WANDB_MODE"] = "offline"  # upload later: wandb sync <run folder>
+        os.environ.setdefault("WANDB_DIR", project_dir)
+        os.makedirs(project_dir, exist_ok=True)
+    if log_with in ("mlflow", "all") and "MLFLOW_TRACKING_URI" not in os.environ:
+        store = os.path.abspath(os.path.join(project_dir, "mlruns"))
+        os.environ["MLFLOW_TRACKING_URI"] = "file:" + store
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for it
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    offline_tracking(args.log_with, args.project_dir)
     accelerator = make_accelerator(args)
     accelerator.print(
         f"{accelerator.num_processes} process(es) on {accelerator.device}, "

@@ -17,13 +17,16 @@ from kwplug._lazy import exporter
 
 if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.plugins.autocast import AutocastKwargs as AutocastKwargs
+    from kwplug.plugins.comet_ml_tracker import CometMLTracker as CometMLTracker
     from kwplug.plugins.ddp import DDPCommunicationHookType as DDPCommunicationHookType
     from kwplug.plugins.ddp import DistributedDataParallelKwargs as DistributedDataParallelKwargs
     from kwplug.plugins.grad_scaler import GradScalerKwargs as GradScalerKwargs
+    from kwplug.plugins.mlflow_tracker import MLflowTracker as MLflowTracker
     from kwplug.plugins.process_group import InitProcessGroupKwargs as InitProcessGroupKwargs
     from kwplug.plugins.profile import ProfileKwargs as ProfileKwargs
     from kwplug.plugins.trackers import JSONLinesTracker as JSONLinesTracker
     from kwplug.plugins.trackers import TensorBoardTracker as TensorBoardTracker
+    from kwplug.plugins.wandb_tracker import WandBTracker as WandBTracker
 
 #: Re-exported name -> the module (in this package) defining it; the one list of the
 #: names at run time (``__all__`` derives from it).
@@ -36,6 +39,9 @@ _EXPORTS: dict[str, str] = {
     "ProfileKwargs": ".profile",
     "JSONLinesTracker": ".trackers",
     "TensorBoardTracker": ".trackers",
+    "WandBTracker": ".wandb_tracker",
+    "MLflowTracker": ".mlflow_tracker",
+    "CometMLTracker": ".comet_ml_tracker",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -20,6 +20,7 @@ from kwplug.errors import KwplugWarning
 from kwplug.handler import TO_KWARGS, KwargsHandler
 from kwplug.hookspecs import hookimpl
 from kwplug.plugins import ddp_comm_hooks
+from kwplug.plugins._ddp_frozen import is_frozen, warn_frozen
 from kwplug.plugins._ddp_sync import SyncInBackward
 from kwplug.validators import number, strict_bool
 
@@ -319,7 +320,8 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
             model: the module, already on ``device``.
             device: ``torch.device``; ``device_ids=[device.index]`` for an indexed
                 accelerator device, ``None`` on CPU.
-            world_size: number of processes; ``<= 1`` returns ``None`` (model used unwrapped).
+            world_size: number of processes; ``<= 1`` returns ``None`` (model used unwrapped),
+                as does a model without trainable parameters (``FrozenModelWarning``).
             comm_hooks: the named hooks known to the Accelerator (``comm_hook`` names are
                 looked up here).
 
@@ -337,10 +339,10 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
             TypeError: from torch when DDP rejects the hook (e.g. a wrong ``bucket``
                 annotation).
         """
-        if world_size <= 1:
-            # Not wrapped; the handler may have changed since Accelerator() checked it.
+        if world_size <= 1 or is_frozen(model):  # frozen: torch's DDP refuses it; not wrapped
+            # The handler may have changed since Accelerator() checked it.
             self.validate_setup(comm_hooks)
-            return None
+            return warn_frozen(model, world_size) if world_size > 1 else None
         hook, state, record = self._hook_and_state(comm_hooks, list(model.parameters()))
         device_ids = [device.index] if device.type != "cpu" and device.index is not None else None
         ddp = torch.nn.parallel.DistributedDataParallel(

@@ -45,6 +45,7 @@ class TensorBoardTracker(GeneralTracker):
 
     name: ClassVar[str] = "tensorboard"
     requires_logging_directory: ClassVar[bool] = True
+    requirement: ClassVar[str | None] = "kwplug[tensorboard]"
 
     def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: Any) -> None:
         super().__init__()

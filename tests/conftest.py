@@ -53,6 +53,31 @@ def _private_discovery_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterat
         os.environ["KWPLUG_CACHE_DIR"] = saved
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _offline_trackers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    # No test (nor a process it starts) reaches a tracking service or writes ./wandb, ./mlruns:
+    # log_with="all" starts every installed tracker. Tests of a tracker point these at tmp_path.
+    folder = tmp_path_factory.mktemp("trackers")
+    values = {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(folder),
+        "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",  # no capture of sys.stdout next to pytest's
+        "MLFLOW_TRACKING_URI": (folder / "mlruns").as_uri(),
+        "MLFLOW_ALLOW_FILE_STORE": "true",  # MLflow 3.x refuses file: stores without it
+        "COMET_START_ONLINE": "false",
+        "COMET_OFFLINE_DIRECTORY": str(folder / "comet"),
+    }
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(autouse=True)
 def _single_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # Tests in this process run as a plain single process, whatever the shell has set.

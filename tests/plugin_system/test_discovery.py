@@ -12,12 +12,15 @@ def test_builtins_are_discovered_with_their_hooks() -> None:
     records = {r.name: r for r in discovery.discover()}
     assert {n: r.hooks for n, r in records.items() if r.builtin} == {
         "autocast": ("autocast",),
+        "comet_ml": ("trackers",),
         "ddp": ("no_sync", "sync_in_backward", "validate_setup", "wrap_model"),
         "ddp_comm_hooks": ("comm_hooks",),
         "grad_scaler": ("make_scaler",),
         "init_process_group": ("init_process_group", "validate_setup"),
+        "mlflow": ("trackers",),
         "profile": ("make_profiler",),
         "trackers": ("trackers",),
+        "wandb": ("trackers",),
     }
     assert all(
         r.status == "loaded" and r.source == "built-in" for r in records.values() if r.builtin

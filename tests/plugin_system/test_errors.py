@@ -27,6 +27,7 @@ BUILTIN_BASES = {
     errors.MissingFeatureError: RuntimeError,
     errors.PluginCacheWarning: UserWarning,
     errors.TrackerConfigWarning: UserWarning,
+    errors.FrozenModelWarning: UserWarning,
     errors.NotCheckpointableError: ValueError,
 }
 
