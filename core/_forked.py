@@ -25,7 +25,6 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import runpy
-import signal
 import subprocess
 import sys
 import threading
@@ -33,9 +32,10 @@ import traceback
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Literal
+
+from kwplug import _forked_wait as _waiting
 
 #: Imported once by the forkserver, so that no rank pays for it again.
 _PRELOAD = ["torch", "torch.distributed"]
@@ -263,7 +263,9 @@ def _rank_main(job: Job) -> None:
     agent.update((k, v) for k, v in os.environ.items() if k.startswith("TORCHELASTIC_"))
     if status := _run_job(job, agent):
         # The agent reads a failed rank's status from the process; success returns normally
-        # so that torch's wrapper hands the (empty) result back to the agent.
+        # so that torch's wrapper hands the (empty) result back to the agent. The file tells
+        # the launcher at once (see _wake_stopped).
+        Path(job.folder, f"failed_{os.environ.get('RANK', '0')}").write_text(str(status))
         raise SystemExit(status)
 
 
@@ -275,21 +277,6 @@ def _single_main(job: Job) -> None:
             os.dup2(log.fileno(), fd)
     if status := _run_job(job, {}):
         raise SystemExit(status)
-
-
-def _wait(job: threading.Thread | BaseProcess, timeout: float, folder: Path) -> bool:
-    """Wait for ``job`` at most ``timeout`` seconds; whether it ran past them (then the
-    processes it started are killed, as they are when the caller is interrupted)."""
-    try:
-        job.join(timeout)
-    except BaseException:  # the caller was interrupted (a test's own timeout): no orphans
-        _stop_ranks(folder)
-        raise
-    if not job.is_alive():
-        return False
-    _stop_ranks(folder)
-    job.join(30.0)
-    return True
 
 
 def run_single(
@@ -310,7 +297,7 @@ def run_single(
         target=_single_main, args=(job,), name="kwplug-single"
     )
     process.start()
-    timed_out = _wait(process, timeout, folder)
+    timed_out = _waiting.wait(process, timeout, folder)
     returncode = process.exitcode if process.exitcode is not None else -9
     read = {
         name: (folder / name).read_text(errors="replace") if (folder / name).is_file() else ""
@@ -327,15 +314,6 @@ def _outputs(logs: Path, nproc: int, name: str) -> str:
             if text:
                 parts.append(text if text.endswith("\n") else text + "\n")
     return "".join(parts)
-
-
-def _stop_ranks(folder: Path) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid_file in folder.glob("pid_*"):
-            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
-                os.killpg(int(pid_file.read_text()), sig)
-        if sig == signal.SIGTERM:
-            threading.Event().wait(2.0)
 
 
 def launch(
@@ -387,7 +365,7 @@ def launch(
 
     thread = threading.Thread(target=agent, name="kwplug-elastic-agent", daemon=True)
     thread.start()
-    timed_out = _wait(thread, timeout, folder)
+    timed_out = _waiting.wait(thread, timeout, folder, poll=True)
     error = outcome.get("error")
     stdout, stderr = _outputs(logs, nproc, "stdout.log"), _outputs(logs, nproc, "stderr.log")
     if isinstance(error, ChildFailedError):

@@ -29,6 +29,7 @@ import attrs
 from kwplug._plugins import discover
 from kwplug.errors import ConfigError as ConfigError  # public here since 0.1
 from kwplug.handler import KwargsHandler
+from kwplug.validators import SHOWN, cut_values, shown
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,7 +67,7 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str,
     unknown = sorted(set(data) - {*ACCELERATOR_KEYS, "handlers"})
     if unknown:
         raise ConfigError(
-            f"{where}: unknown key(s) {', '.join(unknown)}; accepted: "
+            f"{where}: unknown key(s) {', '.join(map(_raw, unknown))}; accepted: "
             f"{', '.join((*ACCELERATOR_KEYS, 'handlers'))}",
             file=where,
             key=unknown[0],
@@ -74,12 +75,14 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str,
     kwargs: dict[str, Any] = {k: data[k] for k in ACCELERATOR_KEYS if k in data}
     if "cpu" in kwargs and not isinstance(kwargs["cpu"], bool):
         raise ConfigError(
-            f"{where}: 'cpu' must be true or false, got {kwargs['cpu']!r}", file=where, key="cpu"
+            f"{where}: 'cpu' must be true or false, got {shown(kwargs['cpu'])}",
+            file=where,
+            key="cpu",
         )
     if kwargs.get("mixed_precision", "no") not in ("no", "fp16", "bf16"):
         raise ConfigError(
             f"{where}: 'mixed_precision' must be one of 'no', 'fp16', 'bf16', "
-            f"got {kwargs['mixed_precision']!r}",
+            f"got {shown(kwargs['mixed_precision'])}",
             file=where,
             key="mixed_precision",
         )
@@ -152,6 +155,13 @@ def _place_of_line(text: str, line: int) -> tuple[str | None, str | None]:
     return table, key
 
 
+def _raw(text: str) -> str:
+    # A name shown unquoted (a table's, a key's), cut as validators.shown cuts values.
+    if len(text) <= SHOWN:
+        return text
+    return f"{text[:SHOWN]}... ({len(text.encode('utf-8', 'surrogatepass'))} bytes)"
+
+
 def _dotted(table: str | None, key: str | None) -> str | None:
     return ".".join(part for part in (table, key) if part) or None
 
@@ -186,14 +196,14 @@ def build_handler(name: str, options: Any, where: str = "<mapping>") -> KwargsHa
     Raises:
         ConfigError: see :func:`load_config`.
     """
-    place = f"{where}: [handlers.{name}]"
+    place = f"{where}: [handlers.{_raw(name)}]"
     table = f"handlers.{name}"
     everything = discover()
     records = [r for r in everything if r.loaded and r.handler_class is not None]
     matches = [r for r in records if name in (r.name, f"{r.distribution}:{r.name}")]
     if len(matches) > 1:
         raise ConfigError(
-            f"{place}: {name!r} names several handlers; use 'distribution:name', one of "
+            f"{place}: {shown(name)} names several handlers; use 'distribution:name', one of "
             + ", ".join(f"{r.distribution}:{r.name}" for r in matches),
             file=where,
             key=table,
@@ -213,19 +223,19 @@ def build_handler(name: str, options: Any, where: str = "<mapping>") -> KwargsHa
             )
         known = ", ".join(sorted(r.name for r in records))
         raise ConfigError(
-            f"{place}: no handler plugin named {name!r}; known: {known}", file=where, key=table
+            f"{place}: no handler plugin named {shown(name)}; known: {known}", file=where, key=table
         )
     cls = matches[0].handler_class
     assert cls is not None
     if not isinstance(options, Mapping):
         raise ConfigError(
-            f"{place} must be a table of options, got {options!r}", file=where, key=table
+            f"{place} must be a table of options, got {shown(options)}", file=where, key=table
         )
     accepted = [f.name for f in attrs.fields(cls) if f.init]
     for key in options:
         if key not in accepted:
             raise ConfigError(
-                f"{place}: unknown key {key!r} for {cls.__qualname__}; accepted: "
+                f"{place}: unknown key {shown(key)} for {cls.__qualname__}; accepted: "
                 f"{', '.join(accepted)}",
                 file=where,
                 key=f"{table}.{key}",
@@ -236,4 +246,6 @@ def build_handler(name: str, options: Any, where: str = "<mapping>") -> KwargsHa
         # Validators name their field in quotes: point the error's key at it.
         field = next((k for k in options if f"'{k}'" in str(exc)), None)
         key = f"{table}.{field}" if field else table
-        raise ConfigError(f"{place}: {exc}", file=where, key=key) from exc
+        # attrs' own validators echo the value whole: a 20 MB one is cut (validators.shown).
+        message = cut_values(str(exc), options.values())
+        raise ConfigError(f"{place}: {message}", file=where, key=key) from exc

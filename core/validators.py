@@ -22,7 +22,40 @@ import attrs
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
-__all__ = ["OptionSchema", "Validator", "number", "optional_bool", "strict_bool"]
+__all__ = ["OptionSchema", "Validator", "number", "optional_bool", "shown", "strict_bool"]
+
+#: How many characters of a value an error message shows (see :func:`shown`).
+SHOWN = 200
+
+
+def shown(value: Any, limit: int = SHOWN) -> str:
+    """``repr(value)`` for an error message, cut after ``limit`` characters.
+
+    A long string or bytes value is shown as its first ``limit`` characters and its size,
+    ``'xxxx'... (20000000 bytes)``, so that a 20 MB value is never echoed whole; any other
+    long ``repr`` as its first ``limit`` characters and its length.
+
+    Args:
+        value: what to show.
+        limit: how many characters to keep, >= 1.
+
+    Returns:
+        The (possibly cut) representation.
+    """
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        size = len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else len(value)
+        return f"{value[:limit]!r}... ({size} bytes)"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def cut_values(message: str, values: Any) -> str:
+    """``message`` with the ``repr`` of each long value in ``values`` replaced by
+    :func:`shown` (for messages written by others, attrs' validators, that echo values)."""
+    for value in values:
+        if isinstance(value, (str, bytes)) and len(value) > SHOWN:
+            message = message.replace(repr(value), shown(value))
+    return message
 
 
 @attrs.frozen
@@ -74,11 +107,11 @@ class _Number:
         if isinstance(value, bool) or not isinstance(value, kinds):
             wanted = self.description or ("an int" if self.integer else "a number (int or float)")
             raise TypeError(
-                f"{label} must be {wanted}, got {value!r} of type {type(value).__name__}"
+                f"{label} must be {wanted}, got {shown(value)} of type {type(value).__name__}"
             )
         number = cast(float, value)  # int or float, checked above
         if self.finite and not math.isfinite(number):
-            raise ValueError(f"{label} must be {self.description or 'finite'}, got {value!r}")
+            raise ValueError(f"{label} must be {self.description or 'finite'}, got {shown(value)}")
         in_range = (
             (self.gt is None or number > self.gt)
             and (self.ge is None or number >= self.ge)
@@ -86,7 +119,9 @@ class _Number:
             and (self.le is None or number <= self.le)
         )  # False for NaN whatever the bounds
         if not in_range:
-            raise ValueError(f"{label} must be {self.description or self._bounds()}, got {value!r}")
+            raise ValueError(
+                f"{label} must be {self.description or self._bounds()}, got {shown(value)}"
+            )
 
     def __repr__(self) -> str:
         kind = "int" if self.integer else "number"
@@ -136,7 +171,8 @@ class _Bool:
             return
         wanted = "None, True or False" if self.allow_none else "True or False"
         raise TypeError(
-            f"{_label(attribute)} must be {wanted}, got {value!r} of type {type(value).__name__}"
+            f"{_label(attribute)} must be {wanted}, got {shown(value)} of type "
+            f"{type(value).__name__}"
         )
 
     def __repr__(self) -> str:
@@ -152,7 +188,7 @@ optional_bool: Validator = _Bool(allow_none=True)
 
 
 def _names(keys: Any) -> str:
-    return ", ".join(map(repr, sorted(keys, key=str)))
+    return ", ".join(map(shown, sorted(keys, key=str)))
 
 
 @attrs.frozen

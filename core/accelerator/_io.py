@@ -18,6 +18,7 @@ from kwplug.accelerator._tracking import _Trackers
 from kwplug.checkpoint import _naming
 from kwplug.checkpoint import _prehooks as prehooks
 from kwplug.checkpoint import _sources as sources
+from kwplug.checkpoint._runs import RunIdentity
 from kwplug.tracking import GeneralTracker
 from kwplug.utils.dataclasses import ProjectConfiguration
 
@@ -127,6 +128,11 @@ class _Checkpoints:
     def _state_pre_hooks(self) -> prehooks.StatePreHooks:
         return prehooks.StatePreHooks()
 
+    @functools.cached_property
+    def _checkpoint_run(self) -> RunIdentity:
+        # The id automatic naming tags this Accelerator's checkpoints with (_runs.py).
+        return RunIdentity()
+
     def register_save_state_pre_hook(
         self, hook: Callable[..., None]
     ) -> torch.utils.hooks.RemovableHandle:
@@ -205,6 +211,7 @@ class _Checkpoints:
             handler_state=handler_state,
             load_handler_state=load_handler_state,
             project_configuration=acc.project_configuration,
+            run=self._checkpoint_run,
         )
 
     project_configuration: ProjectConfiguration

@@ -24,6 +24,7 @@ from kwplug.comm_hooks import CommHook, merge_comm_hooks
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import AutocastFactory
 from kwplug.precision import LossScaler, check_loss_scaler
+from kwplug.validators import shown
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def resolve(
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(
             f"mixed_precision must be one of {', '.join(map(repr, MIXED_PRECISION))}, "
-            f"got {mixed_precision!r}"
+            f"got {shown(mixed_precision)}"
         )
     if not isinstance(cpu, bool):
         raise TypeError(f"cpu must be a bool, got {type(cpu).__name__}")

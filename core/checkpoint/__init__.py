@@ -24,6 +24,8 @@ by the Accelerator (:mod:`~kwplug.checkpoint._sources`). One module per concern:
   ``register_load_state_pre_hook`` (user code that saves and loads some models itself);
 - :mod:`~kwplug.checkpoint._naming`: automatic checkpoint naming (``checkpoint_<i>``,
   ``total_limit``).
+- :mod:`~kwplug.checkpoint._runs`: which run saved a ``checkpoint_<i>`` (two runs in one
+  ``project_dir`` never prune or resume each other's).
 """
 
 from __future__ import annotations

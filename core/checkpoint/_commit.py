@@ -7,7 +7,9 @@ named steps, in this order (:data:`STEPS`):
 
 1. ``lock``: take ``DIR/.kwplug.lock`` (:mod:`kwplug.checkpoint._lock`).
 2. ``clean``: delete versions without a marker and trash left by killed saves.
-3. ``stage``: create ``DIR/kwplug-<n>``; every rank writes its files into it.
+3. ``stage``: create ``DIR/kwplug-<n>``; every rank writes its files into it. ``n`` is one
+   more than any version name in ``DIR``, whatever holds it: a link or a file planted under a
+   version's name is skipped, never followed, and left alone.
 4. ``manifest``: rank 0 writes ``MANIFEST.json`` (every file, its size and sha256).
 5. ``mark``: rank 0 writes ``COMPLETE`` (a temporary file renamed; the rename commits).
 6. ``prune``: every older version is renamed to ``DIR/.kwplug-trash-<m>``, then deleted.
@@ -103,10 +105,32 @@ def begin(directory: Path) -> Path:
         if not (folder / layout.MARKER).is_file():
             _discard(folder, number)
     reached("stage")
-    staging = directory / layout.version_name(max(existing, default=0) + 1)
-    staging.mkdir()
+    staging = _stage(directory, max(existing, default=0) + 1)
     fsync_dir(directory)
     return staging
+
+
+def _stage(directory: Path, first: int) -> Path:
+    # The first version name from ``first`` on that nothing holds: a link, a file or a folder
+    # someone else put under a version's name is skipped (never followed, never written
+    # through: mkdir does not follow a link), so it cannot block every later save.
+    taken = [n for c in os.listdir(directory) if (n := layout.version_number(c)) is not None]
+    number = max([first - 1, *taken]) + 1
+    for attempt in range(_TRIES):
+        staging = directory / layout.version_name(number + attempt)
+        try:
+            staging.mkdir()
+            return staging
+        except FileExistsError:  # created since the listing
+            continue
+    raise CheckpointError(
+        f"cannot create a version folder in {directory}: {_TRIES} names from "
+        f"{layout.version_name(number)} on were taken while saving",
+        directory,
+    )
+
+
+_TRIES = 16
 
 
 def finish(staging: Path, records: dict[str, tuple[int, str]]) -> None:

@@ -19,6 +19,11 @@ Accelerate:
   and the next save then fails on the existing folder).
 - ``checkpoint_<i>`` left by a save that was killed (no complete version, only kwplug's files)
   is saved into again instead of being refused.
+- Each folder is tagged with the id of the run that saved it (:mod:`kwplug.checkpoint._runs`):
+  ``total_limit`` counts and deletes only this run's checkpoints, never another run's in the
+  same ``project_dir`` (Accelerate deletes the oldest, whoever wrote them), and
+  ``load_state()`` reads this run's newest; a run that has none yet reads the newest of the
+  one run there and continues it, and refuses (``ValueError``) when several runs' are there.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from kwplug.checkpoint import _api as api
 from kwplug.checkpoint import _commit as commit
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _lock as lock
+from kwplug.checkpoint import _runs as runs
 from kwplug.errors import CheckpointError, KwplugWarning
 
 if TYPE_CHECKING:
@@ -82,7 +88,7 @@ def _only_kwplug_files(folder: Path) -> bool:
     for child in folder.iterdir():
         if child.is_symlink():
             return False
-        if child.name == layout.LOCK and child.is_file():
+        if (child.name == layout.LOCK or runs.is_run_file(child.name)) and child.is_file():
             continue
         ours = (layout.version_number(child.name), layout.trash_number(child.name))
         if ours == (None, None) or not child.is_dir() or not commit._owned(child):
@@ -119,7 +125,8 @@ def _refusal(target: Path, iteration: int) -> str | None:
 
 def save(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) -> Path:
     """``save_state``: into ``output_dir``, or the next ``checkpoint_<i>`` with automatic naming;
-    then ``iteration += 1`` and, with ``total_limit``, :func:`prune` (main process).
+    then ``iteration += 1``, the folder is tagged with this run's id and, with
+    ``total_limit``, this run's older checkpoints are pruned (:func:`prune`, main process).
 
     Args:
         sources: what to save (every rank calls this).
@@ -159,19 +166,33 @@ def save(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) 
         raise ValueError(refusal)
     saved = api.save_state(sources, target)
     config.iteration += 1
-    if config.total_limit is not None and sources.is_main_process:
-        try:
-            prune(checkpoints, config.total_limit, keep=target)
-        except OSError as exc:  # the save is committed: a failed clean-up must not undo it
-            warnings.warn(
-                f"total_limit: could not delete an old checkpoint in {checkpoints}: {exc}",
-                KwplugWarning,
-                stacklevel=3,
-            )
+    if not sources.is_main_process:
+        return saved
+    # The save is committed: a failed tag or clean-up must not undo it.
+    try:
+        runs.tag(target, sources.run.id)
+    except OSError as exc:
+        warnings.warn(
+            f"could not tag {target} with this run's id (it counts as any run's): {exc}",
+            KwplugWarning,
+            stacklevel=3,
+        )
+    if config.total_limit is None:
+        return saved
+    try:
+        prune(checkpoints, config.total_limit, keep=target, run=sources.run.id)
+    except OSError as exc:
+        warnings.warn(
+            f"total_limit: could not delete an old checkpoint in {checkpoints}: {exc}",
+            KwplugWarning,
+            stacklevel=3,
+        )
     return saved
 
 
-def prune(directory: Path, total_limit: int, keep: Path | None = None) -> list[Path]:
+def prune(
+    directory: Path, total_limit: int, keep: Path | None = None, run: str | None = None
+) -> list[Path]:
     """Delete the oldest kwplug checkpoints in ``directory`` beyond the newest ``total_limit``.
 
     Only ``checkpoint_<n>`` folders for which :func:`is_kwplug_checkpoint` holds are counted
@@ -184,6 +205,8 @@ def prune(directory: Path, total_limit: int, keep: Path | None = None) -> list[P
         directory: ``<project_dir>/checkpoints``.
         total_limit: how many kwplug checkpoints to keep, >= 1.
         keep: a folder never deleted (it still counts towards ``total_limit``).
+        run: only the checkpoints of this run id (and untagged ones) are counted and deleted;
+            ``None``: every kwplug checkpoint.
 
     Returns:
         The folders deleted (their original paths).
@@ -192,7 +215,11 @@ def prune(directory: Path, total_limit: int, keep: Path | None = None) -> list[P
         leftover = _TRASH.fullmatch(child.name) is not None and child.is_dir()
         if leftover and not child.is_symlink() and _only_kwplug_files(child):
             shutil.rmtree(child)
-    ours = [f for _, f in sorted(numbered(directory).items()) if is_kwplug_checkpoint(f)]
+    ours = [
+        f
+        for _, f in sorted(numbered(directory).items())
+        if is_kwplug_checkpoint(f) and (run is None or runs.owner(f) in (run, None))
+    ]
     deleted: list[Path] = []
     candidates = [f for f in ours if keep is None or f != keep]
     for folder in candidates[: max(len(ours) - total_limit, 0)]:
@@ -208,10 +235,32 @@ def prune(directory: Path, total_limit: int, keep: Path | None = None) -> list[P
     return deleted
 
 
+def _newest(sources: CheckpointSources, checkpoints: Path) -> tuple[str | None, str | None]:
+    # On the main process: (the folder load_state() reads, a refusal). This run's newest;
+    # without one, the newest of the only run there (untagged folders count as any run's).
+    complete = [f for _, f in sorted(numbered(checkpoints).items()) if commit.is_complete(f)]
+    owners = {f: runs.owner(f) for f in complete}
+    mine = [f for f in complete if owners[f] == sources.run.id]
+    others = {owners[f] for f in complete} - {None}
+    if not mine and len(others) > 1:
+        newest = {run: [f for f in complete if owners[f] == run][-1] for run in others}
+        listed = "; ".join(f"{runs.short(r)}: newest {f.name}" for r, f in sorted(newest.items()))
+        latest = next(f for f in reversed(complete) if owners[f] is not None)
+        return None, (
+            f"{checkpoints} holds the checkpoints of {len(others)} runs ({listed}): pass the "
+            "folder to resume to load_state(), e.g. load_state("
+            f"{os.fspath(latest)!r}) (that run is then continued: "
+            "its checkpoints count towards total_limit)"
+        )
+    found = mine or complete
+    return (str(found[-1]) if found else None), None
+
+
 def load(sources: CheckpointSources, input_dir: str | os.PathLike[str] | None) -> Path:
-    """``load_state``: ``input_dir``, or the newest complete ``checkpoint_<n>`` with automatic
-    naming; with automatic naming, loading ``checkpoints/checkpoint_<n>`` sets ``iteration``
-    to ``n + 1``.
+    """``load_state``: ``input_dir``, or, with automatic naming, the newest complete
+    ``checkpoint_<n>`` of this run (of the only run in ``checkpoints/`` when this one has
+    none); loading ``checkpoints/checkpoint_<n>`` sets ``iteration`` to ``n + 1`` and makes
+    this run the run that saved it (its checkpoints are then this run's, for ``total_limit``).
 
     Args:
         sources: what to load into (every rank calls this).
@@ -221,7 +270,9 @@ def load(sources: CheckpointSources, input_dir: str | os.PathLike[str] | None) -
         The version folder read.
 
     Raises:
-        ValueError: no ``input_dir`` and no automatic naming; no ``project_dir``.
+        ValueError: no ``input_dir`` and no automatic naming; no ``project_dir``; no
+            ``input_dir``, this run has no checkpoint and several runs' are there (the
+            message names each run's newest folder).
         FileNotFoundError: no complete ``checkpoint_<n>`` (or no checkpoint at ``input_dir``).
         CheckpointError: from :func:`kwplug.checkpoint.load_state`.
     """
@@ -233,11 +284,10 @@ def load(sources: CheckpointSources, input_dir: str | os.PathLike[str] | None) -
                 "automatic_checkpoint_naming=True) names the folders"
             )
         checkpoints = root(sources)
-        newest = None
-        if sources.is_main_process:
-            found = [f for _, f in sorted(numbered(checkpoints).items()) if commit.is_complete(f)]
-            newest = str(found[-1]) if found else None
-        newest = _share(sources, newest)
+        found = _newest(sources, checkpoints) if sources.is_main_process else (None, None)
+        newest, refusal = _share(sources, found)
+        if refusal is not None:
+            raise ValueError(refusal)
         if newest is None:
             raise FileNotFoundError(f"no complete kwplug checkpoint_<n> folder in {checkpoints}")
         input_dir = newest
@@ -245,6 +295,10 @@ def load(sources: CheckpointSources, input_dir: str | os.PathLike[str] | None) -
     if config.automatic_checkpoint_naming and config.project_dir is not None:
         folder = Path(input_dir).absolute()
         match = _NAME.fullmatch(folder.name)
-        if match and folder.parent == root(sources):
+        ours = match is not None and folder.parent == root(sources)
+        owner = _share(sources, runs.owner(folder) if ours and sources.is_main_process else None)
+        if match and ours:
             config.iteration = int(match.group(1)) + 1
+            if owner is not None:  # a resumed run is the run that saved it
+                sources.run.id = owner
     return loaded

@@ -18,6 +18,7 @@ import attrs
 import torch
 from torch.utils.data import DataLoader
 
+from kwplug.checkpoint._runs import RunIdentity
 from kwplug.errors import NotCheckpointableError
 from kwplug.optimizer import AcceleratedOptimizer, ScalerUpdates
 from kwplug.utils.dataclasses import ProjectConfiguration
@@ -65,6 +66,8 @@ class CheckpointSources:
         load_handler_state: gives each plugin named in the mapping its saved state back.
         project_configuration: the run's ``ProjectConfiguration`` (automatic naming; its
             ``iteration`` is advanced by each save and set by a load).
+        run: the id automatic naming tags this run's checkpoints with (the Accelerator's,
+            kept across calls; :mod:`kwplug.checkpoint._runs`).
     """
 
     models: tuple[torch.nn.Module, ...]
@@ -82,6 +85,7 @@ class CheckpointSources:
     handler_state: Callable[[], dict[str, Any]]
     load_handler_state: Callable[[Mapping[str, Any]], None]
     project_configuration: ProjectConfiguration
+    run: RunIdentity = attrs.field(factory=RunIdentity)
 
     @property
     def is_main_process(self) -> bool:

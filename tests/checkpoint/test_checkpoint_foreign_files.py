@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import traceback
 from collections.abc import Callable
@@ -103,3 +104,28 @@ def test_state_file_whose_header_length_starts_with_0x80_loads(tmp_path: Path) -
     loaded, _ = reader.read_state(path, record)
     assert loaded["note"] == state["note"] and torch.equal(loaded["t"], state["t"])
     assert codec.foreign_format(pickle.dumps(state), len(pickle.dumps(state))) is not None
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "file"])
+def test_an_entry_planted_at_the_next_version_name_is_skipped(tmp_path: Path, kind: str) -> None:
+    # Issue 18: a link or file at kwplug-<n+1> made every later save fail on it.
+    accelerator, version = _saved(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    planted = version.with_name(layout.version_name(2))
+    if kind == "file":
+        planted.write_bytes(b"x")
+    else:
+        planted.symlink_to(outside if kind == "symlink" else tmp_path / "missing")
+    for _ in range(2):
+        accelerator.save_state(tmp_path / "ckpt")
+    newest = checkpoint.resolve_checkpoint(tmp_path / "ckpt")
+    assert newest is not None and newest.name == layout.version_name(4)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        layout.LOCK,
+        layout.version_name(2),
+        layout.version_name(4),
+    ]
+    assert os.listdir(outside) == []  # never followed, never written through
+    assert planted.is_symlink() == (kind != "file")
+    accelerator.load_state(tmp_path / "ckpt")

@@ -112,7 +112,7 @@ def test_a_failed_prune_warns_and_keeps_the_save(
 ) -> None:
     accelerator, _ = _accelerator(tmp_path, total_limit=1)
 
-    def refuse(directory: Path, total_limit: int, keep: Path | None = None) -> list[Path]:
+    def refuse(directory: Path, total_limit: int, **_: Any) -> list[Path]:
         raise PermissionError(13, "Permission denied", str(directory))
 
     monkeypatch.setattr(naming, "prune", refuse)
@@ -250,32 +250,61 @@ def test_two_processes_agree(tmp_path: Path) -> None:
     }
 
 
-def test_a_new_run_saving_below_older_numbers_keeps_its_save(tmp_path: Path) -> None:
-    # A run that does not load_state restarts at checkpoint_0 next to higher, older numbers:
-    # the new save stays and an older one goes (Accelerate: the same folders).
-    from accelerate import Accelerator as AccelerateAccelerator
-    from accelerate.utils import ProjectConfiguration as AccelerateConfig
+def _filled(accelerator: kwplug.Accelerator, model: torch.nn.Module, value: float) -> Path:
+    with torch.no_grad():
+        model.weight.fill_(value)
+    return accelerator.save_state()
 
-    def theirs() -> Any:
-        config = AccelerateConfig(
-            project_dir=str(tmp_path / "a"), automatic_checkpoint_naming=True, total_limit=2
-        )
-        accelerator = AccelerateAccelerator(cpu=True, project_config=config)
-        accelerator.prepare(torch.nn.Linear(2, 1))
-        return accelerator
 
-    first, _ = _accelerator(tmp_path / "k", total_limit=2, iteration=5)
-    reference = theirs()
-    reference.project_configuration.iteration = 5
-    for _ in range(2):
-        first.save_state()
-        reference.save_state()
-    second, _ = _accelerator(tmp_path / "k", total_limit=2)
-    again = theirs()
-    saved = second.save_state()
-    again.save_state()
-    assert saved.is_dir() and saved.name == "checkpoint_0"
-    assert _names(tmp_path / "k") == _names(tmp_path / "a") == ["checkpoint_0", "checkpoint_6"]
+def test_two_runs_in_one_project_keep_each_others_checkpoints(tmp_path: Path) -> None:
+    # Issue 18: a second run in the same project_dir pruned the first's checkpoints (and the
+    # first the second's), and load_state() then resumed the other run's. Accelerate deletes
+    # the oldest whoever saved them; kwplug counts and deletes only this run's.
+    first, first_model = _accelerator(tmp_path, total_limit=2, iteration=5)
+    for value in (1.0, 2.0):
+        _filled(first, first_model, value)
+    second, second_model = _accelerator(tmp_path, total_limit=2)
+    for value in (3.0, 4.0, 5.0):
+        _filled(second, second_model, value)
+    assert _names(tmp_path) == ["checkpoint_1", "checkpoint_2", "checkpoint_5", "checkpoint_6"]
+    _filled(first, first_model, 6.0)
+    assert _names(tmp_path) == ["checkpoint_1", "checkpoint_2", "checkpoint_6", "checkpoint_7"]
+    for accelerator, model, folder, value in (
+        (second, second_model, "checkpoint_2", 5.0),
+        (first, first_model, "checkpoint_7", 6.0),
+    ):
+        with torch.no_grad():
+            model.weight.zero_()
+        assert accelerator.load_state().parent.name == folder  # this run's newest
+        assert torch.equal(model.weight, torch.full((1, 2), value))
+    # A new run finds two runs' checkpoints: which one to continue is the user's choice.
+    third, third_model = _accelerator(tmp_path, total_limit=2)
+    with pytest.raises(ValueError, match=r"checkpoints of 2 runs .*newest checkpoint_2.*") as info:
+        third.load_state()
+    assert "newest checkpoint_7" in str(info.value)
+    third.load_state(tmp_path / "checkpoints" / "checkpoint_7")  # continues the first run
+    assert torch.equal(third_model.weight, torch.full((1, 2), 6.0))
+    _filled(third, third_model, 7.0)
+    assert _names(tmp_path) == ["checkpoint_1", "checkpoint_2", "checkpoint_7", "checkpoint_8"]
+
+
+def test_a_run_resumes_the_only_run_there_and_untagged_checkpoints_are_anyones(
+    tmp_path: Path,
+) -> None:
+    first, model = _accelerator(tmp_path, total_limit=2)
+    for value in (1.0, 2.0, 3.0):
+        _filled(first, model, value)
+    # A folder saved by kwplug before run tags (or by a save killed before its tag).
+    (tmp_path / "checkpoints" / "checkpoint_1" / ".kwplug-run").unlink()
+    resumed, model = _accelerator(tmp_path, total_limit=2)
+    resumed.load_state()  # the only run there: its newest, and that run is continued
+    assert torch.equal(model.weight, torch.full((1, 2), 3.0))
+    _filled(resumed, model, 4.0)
+    assert _names(tmp_path) == ["checkpoint_2", "checkpoint_3"]
+    # A second run saving at a number the first used is refused, naming the folder.
+    other, _ = _accelerator(tmp_path, total_limit=2, iteration=3)
+    with pytest.raises(ValueError, match=r"checkpoint_3 \(iteration 3\) already exists"):
+        other.save_state()
 
 
 def per_rank_directories(root: str) -> dict[str, Any]:

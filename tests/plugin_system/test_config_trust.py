@@ -122,3 +122,41 @@ def test_registered_handler_mutated_after_setup_is_caught() -> None:
     object.__setattr__(handler, "bucket_cap_mb", 1e300)  # what an in-place change amounts to
     with pytest.raises(ValueError, match="DistributedDataParallelKwargs was changed"):
         accelerator.prepare(torch.nn.Linear(2, 2))
+
+
+_HUGE = "x" * 20_000_000
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"mixed_precision": _HUGE}, "mixed_precision"),
+        ({"cpu": _HUGE}, "cpu"),
+        ({_HUGE: 1}, _HUGE),
+        ({"handlers": {"ddp": {"bucket_cap_mb": _HUGE}}}, "handlers.ddp.bucket_cap_mb"),
+        ({"handlers": {"init_process_group": {"backend": _HUGE}}}, None),
+        ({"handlers": {"ddp": {_HUGE: 1}}}, f"handlers.ddp.{_HUGE}"),
+        ({"handlers": {"ddp": _HUGE}}, "handlers.ddp"),
+        ({"handlers": {_HUGE: {}}}, f"handlers.{_HUGE}"),
+    ],
+    ids=["mixed_precision", "cpu", "top-key", "number", "backend", "key", "table", "handler"],
+)
+def test_a_huge_value_is_not_echoed_whole(
+    kwplug_plugins: PluginSandbox, config: dict[str, object], key: str | None
+) -> None:
+    # Issue 18: a 20 MB value was echoed whole in the error message.
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    message = str(info.value)
+    assert len(message) < 2_000, message[:300]
+    assert "x" * 100 in message and "... (20000000 bytes)" in message
+    if key is not None:
+        assert info.value.key == key
+
+
+def test_a_huge_value_in_a_file_or_argument_is_not_echoed_whole(tmp_path: Path) -> None:
+    error = _load(tmp_path, f'[handlers.init_process_group]\nbackend = "{_HUGE}"\n')
+    assert len(str(error)) < 2_000 and "... (20000000 bytes)" in str(error)
+    with pytest.raises(ValueError, match=r"\.\.\. \(20000000 bytes\)") as info:
+        kwplug.Accelerator(cpu=True, mixed_precision=_HUGE)
+    assert len(str(info.value)) < 2_000
