@@ -60,7 +60,7 @@ def _train_with_hook(hook: str, static_graph: bool) -> dict[str, Any]:
     import warnings
 
     import kwplug
-    import kwplug.plugins.ddp_comm_hooks as table
+    import kwplug.plugins.ddp_comm_hooks._compose as table
 
     calls: list[int] = []
     original = table.ddp_compatible_hook
@@ -72,7 +72,7 @@ def _train_with_hook(hook: str, static_graph: bool) -> dict[str, Any]:
 
         return original(counted)  # made acceptable to DDP (annotations) like any hook
 
-    table.ddp_compatible_hook = counting  # what plugins/ddp.py registers goes through it
+    table.ddp_compatible_hook = counting  # compose() ends every registered hook with it
     try:
         handler = kwplug.DistributedDataParallelKwargs(comm_hook=hook, static_graph=static_graph)
         accelerator = kwplug.Accelerator(
