@@ -7,7 +7,6 @@ from typing import Any, Protocol
 
 import torch
 
-
 #: Scheduler class -> whether ``total_steps`` can only be an instance attribute (read from
 #: ``__dict__``): the class neither defines it nor customises attribute access.
 _PLAIN: dict[type, bool] = {}
