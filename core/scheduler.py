@@ -14,7 +14,7 @@ _PLAIN: dict[type, bool] = {}
 
 def _plain_attributes(cls: type) -> bool:
     return (
-        cls.__getattribute__ is object.__getattribute__
+        getattr(cls, "__getattribute__") is object.__getattribute__  # noqa: B009 - mypy
         and not hasattr(cls, "__getattr__")
         and not hasattr(cls, "total_steps")
     )
