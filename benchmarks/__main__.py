@@ -69,6 +69,17 @@ SUBCOMMANDS = {
 }
 
 
+def write_picture(combined: dict[str, Any], path: str) -> None:
+    """The run's PNG (:func:`benchmarks._plot.write_png`); a message instead when matplotlib
+    is missing (the JSON and tables are complete without it)."""
+    from benchmarks._plot import MissingMatplotlib, write_png
+
+    try:
+        print(f"\n[picture: {write_png(combined, path)}]")
+    except MissingMatplotlib as exc:
+        print(f"\n[no picture: {exc}]")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run every benchmark (or one sub-command); print the table; return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -80,6 +91,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke-test sizes (< 1 minute)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the combined JSON")
+    parser.add_argument(
+        "--png",
+        metavar="OUT",
+        default=None,
+        help="write the PNG here (default: next to --json, same name with .png)",
+    )
     parser.add_argument(
         "--no-accelerate", action="store_true", help="skip Accelerate even when installed"
     )
@@ -126,6 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.json is not None:
         write_json(combined, args.json)
+    png = args.png or (None if args.json is None else os.path.splitext(args.json)[0] + ".png")
+    if png is not None:
+        write_picture(combined, png)
     print(f"\n[all benchmarks: {combined['elapsed_s']:.1f} s]")
     return 1 if failed else 0
 

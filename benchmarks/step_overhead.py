@@ -4,18 +4,20 @@ Workloads: ``tiny`` (``Linear(16, 16)``, batch 8, MSE) and ``mlp`` (512-512-10 w
 64, cross-entropy), each in fp32 and in bf16 autocast, SGD. The framework loop is the one users
 write::
 
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     for x, y in batches:
         with accelerator.autocast():
             loss = loss_fn(model(x), y)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+        scheduler.step()
 
-and the raw loop is the same without the Accelerator (``torch.autocast("cpu",
-dtype=torch.bfloat16)`` in bf16, no context at all in fp32). Each implementation trains its own
-copy of the same initial model on the same batch sequence, blocks interleaved; afterwards
-kwplug's parameters must equal the raw loop's exactly (asserted).
+(the scheduler is a ``LambdaLR`` changing the learning rate every step) and the raw loop is
+the same without the Accelerator (``torch.autocast("cpu", dtype=torch.bfloat16)`` in bf16, no
+context at all in fp32). Each implementation trains its own copy of the same initial model on
+the same batch sequence, blocks interleaved; afterwards kwplug's parameters must equal the raw
+loop's exactly (asserted).
 
 Run: ``python -m benchmarks.step_overhead [--quick] [--json PATH]``.
 """
@@ -76,11 +78,25 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=1e-3)
 
 
+def _decay(step: int) -> float:
+    return 1.0 / (1.0 + 1e-3 * step)
+
+
+def make_scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """A ``LambdaLR`` changing the learning rate every step (the same for every
+    implementation)."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, _decay)
+
+
 # -- the loops (kept minimal and identical but for the framework calls) ------------------------
 
 
 def raw_loop_fp32(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, data: Sequence[Batch], loss_fn: LossFn
+    model: torch.nn.Module,
+    opt: Any,
+    data: Sequence[Batch],
+    loss_fn: LossFn,
+    sched: Any = None,
 ) -> None:
     """Raw PyTorch, full precision: no context manager at all."""
     for x, y in data:
@@ -88,10 +104,16 @@ def raw_loop_fp32(
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         opt.zero_grad()
+        if sched is not None:  # the same test in every loop
+            sched.step()
 
 
 def raw_loop_bf16(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, data: Sequence[Batch], loss_fn: LossFn
+    model: torch.nn.Module,
+    opt: Any,
+    data: Sequence[Batch],
+    loss_fn: LossFn,
+    sched: Any = None,
 ) -> None:
     """Raw PyTorch, bf16 autocast on CPU."""
     for x, y in data:
@@ -100,14 +122,17 @@ def raw_loop_bf16(
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         opt.zero_grad()
+        if sched is not None:  # the same test in every loop
+            sched.step()
 
 
 def framework_loop(
     accelerator: Any,
     model: torch.nn.Module,
-    opt: torch.optim.Optimizer,
+    opt: Any,
     data: Sequence[Batch],
     loss_fn: LossFn,
+    sched: Any = None,
 ) -> None:
     """The loop through an Accelerator (kwplug's or Accelerate's: same code)."""
     for x, y in data:
@@ -116,6 +141,8 @@ def framework_loop(
         accelerator.backward(loss)
         opt.step()
         opt.zero_grad()
+        if sched is not None:  # the same test in every loop
+            sched.step()
 
 
 # -- setup per implementation ------------------------------------------------------------------
@@ -164,18 +191,19 @@ def trainer(
     """``run(n)`` training ``impl``'s copy of the model over ``data``, and that model."""
     model = make_model(workload)
     opt = make_optimizer(model)
+    sched = make_scheduler(opt)
     if impl in ("raw", CONTROL):
         loop = raw_loop_fp32 if precision == "fp32" else raw_loop_bf16
 
         def run_raw(n: int) -> None:
-            loop(model, opt, data, loss_fn)
+            loop(model, opt, data, loss_fn, sched)
 
         return run_raw, model
     accelerator = make_accelerator(impl, precision)
-    model, opt = accelerator.prepare(model, opt)
+    model, opt, sched = accelerator.prepare(model, opt, sched)
 
     def run(n: int) -> None:
-        framework_loop(accelerator, model, opt, data, loss_fn)
+        framework_loop(accelerator, model, opt, data, loss_fn, sched)
 
     return run, model
 

@@ -189,7 +189,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     ) -> float | None:
         """Step the wrapped optimizer, through the loss scaler when there is one; nothing on
         an accumulation step that does not synchronise gradients."""
-        if not self._syncing:
+        state = self.gradient_state  # read inline: a property call per step costs more
+        if state is not None and not state.sync_gradients:
             return None
         updates = self._updates
         if updates is None:
@@ -226,7 +227,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """``optimizer.zero_grad(set_to_none)`` (default ``True``) on a synchronising step;
         nothing while gradients accumulate."""
-        if self._syncing:
+        state = self.gradient_state
+        if state is None or state.sync_gradients:
             self.optimizer.zero_grad(set_to_none=True if set_to_none is None else set_to_none)
 
     def train(self) -> None:

@@ -7,6 +7,18 @@ from typing import Any, Protocol
 
 import torch
 
+#: Scheduler class -> whether ``total_steps`` can only be an instance attribute (read from
+#: ``__dict__``): the class neither defines it nor customises attribute access.
+_PLAIN: dict[type, bool] = {}
+
+
+def _plain_attributes(cls: type) -> bool:
+    return (
+        getattr(cls, "__getattribute__") is object.__getattribute__  # noqa: B009 - mypy
+        and not hasattr(cls, "__getattr__")
+        and not hasattr(cls, "total_steps")
+    )
+
 
 class SchedulerGradientState(Protocol):
     """What the scheduler wrapper reads from the Accelerator's gradient state."""
@@ -67,16 +79,29 @@ class AcceleratedScheduler:
         if not self.step_with_optimizer:
             scheduler.step(*args, **kwargs)
             return
-        if not self.gradient_state.sync_gradients:
-            if self.gradient_state.adjust_scheduler:
+        state = self.gradient_state
+        if not state.sync_gradients:
+            if state.adjust_scheduler:
                 scheduler._step_count += 1
             return
-        if any(getattr(opt, "step_was_skipped", False) for opt in self.optimizers):
-            return
+        for opt in self.optimizers:  # a plain loop: no generator per step
+            if getattr(opt, "step_was_skipped", False):
+                return
         for _ in range(1 if self.split_batches else self.num_processes):
-            total = getattr(scheduler, "total_steps", None)  # OneCycleLR
+            total = self._total_steps(scheduler)  # OneCycleLR's limit, else None
             if total is None or scheduler._step_count <= total:
                 scheduler.step(*args, **kwargs)
+
+    @staticmethod
+    def _total_steps(scheduler: Any) -> Any:
+        # getattr(scheduler, "total_steps", None), without raising and catching an
+        # AttributeError per step for the schedulers that have none (all but OneCycleLR).
+        plain = _PLAIN.get(type(scheduler))
+        if plain is None:
+            plain = _PLAIN[type(scheduler)] = _plain_attributes(type(scheduler))
+        if plain:
+            return scheduler.__dict__.get("total_steps")
+        return getattr(scheduler, "total_steps", None)
 
     def get_last_lr(self) -> list[Any]:
         """The wrapped scheduler's ``get_last_lr()``."""

@@ -259,11 +259,15 @@ class _GradientAccumulation:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)`` of ``loss / gradient_accumulation_steps``, scaled by the
         loss scaler (:meth:`kwplug.precision.LossScaler.scale`) when there is one."""
-        if self.gradient_state.num_steps > 1:
-            loss = loss / self.gradient_state.num_steps
+        steps = self.gradient_state.plugin_kwargs.get("num_steps")  # = num_steps, inline
+        if steps and steps > 1:
+            loss = loss / int(steps)
         updates = self._prepared.scaler_updates
         if updates is None:
-            loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+            if kwargs:
+                loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+            else:
+                loss.backward()  # type: ignore[no-untyped-call]
             return
         updates.flush()  # the previous step's pending update() of the loss scaler
         updates.backend.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]

@@ -185,3 +185,22 @@ def test_bandwidth_quick_runs_in_a_namespace(tmp_path: Path) -> None:
     assert not subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(
         "kwplug-bw-"
     )
+
+
+def test_the_picture_is_drawn_from_the_combined_json(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from benchmarks._plot import panels, write_png
+
+    row = {"case": "tiny fp32 step", "unit": "steps/s", "kwplug_extra": 1.5}
+    start = {"case": "repeated Accelerator(5 handlers)", "unit": "µs", "kwplug": 150.0}
+    combined = {
+        "quick": True,
+        "meta": {"torch": "x", "loadavg_1_5_15min": [1.0, 1.0, 1.0]},
+        "benchmarks": {
+            "step_overhead": {"rows": [row]},
+            "construct_import": {"rows": [start]},
+        },
+    }
+    assert len(panels(combined)) == 2
+    out = write_png(combined, str(tmp_path / "run.png"))
+    assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
