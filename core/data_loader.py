@@ -158,8 +158,8 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     """
     if not isinstance(dataloader, PreparedDataLoader):
         raise TypeError(
-            "skip_first_batches needs a prepared data loader (prepare_data_loader or "
-            f"accelerator.prepare), got {type(dataloader).__name__}"
+            "skip_first_batches needs a data loader returned by accelerator.prepare (or "
+            f"prepare_data_loader), got {type(dataloader).__name__}"
         )
     dataloader.skip_first_batches(num_batches)
     return dataloader

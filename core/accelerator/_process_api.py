@@ -13,7 +13,6 @@ import torch
 from kwplug.accelerator import _metrics, _ops, _process
 from kwplug.accelerator._prepare import _Prepared
 from kwplug.accelerator._setup import _Setup
-from kwplug.data import PreparedDataLoader
 from kwplug.utils.dataclasses import DataLoaderConfiguration, DistributedType
 from kwplug.utils.memory import release_memory
 
@@ -88,13 +87,9 @@ class _DataAndProcessAPI(_process.Ranks):
             TypeError: ``dataloader`` was not prepared by kwplug.
             ValueError: ``num_batches < 0``.
         """
-        if not isinstance(dataloader, PreparedDataLoader):
-            raise TypeError(
-                "skip_first_batches needs a data loader returned by accelerator.prepare, got "
-                f"{type(dataloader).__name__}"
-            )
-        dataloader.skip_first_batches(num_batches)
-        return dataloader
+        from kwplug.data_loader import skip_first_batches
+
+        return skip_first_batches(dataloader, num_batches)
 
     # -- distributed metrics -------------------------------------------------------------
 

@@ -57,7 +57,7 @@ def test_prepare_data_loader_shards_as_accelerate_and_refuses_what_it_cannot_do(
         prepare_data_loader(data, torch.device("cpu"), 2, 2)
     with pytest.raises(TypeError, match="split_batches"):
         prepare_data_loader(data, split_batches=1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="prepared data loader"):
+    with pytest.raises(TypeError, match="returned by accelerator.prepare"):
         skip_first_batches(data, 1)
 
 
