@@ -17,7 +17,7 @@ Modules, named as Accelerate's:
 - :mod:`kwplug.utils.imports`: ``is_*_available``, ``is_torch_version``
   (:mod:`kwplug.utils.availability`: the checks for integrations kwplug does not use);
 - :mod:`kwplug.utils.other`: ``wait_for_everyone``, ``extract_model_from_parallel``;
-  :mod:`kwplug.utils.tqdm`: ``tqdm``;
+  :mod:`kwplug.utils.progress`: ``tqdm``;
 - :mod:`kwplug.utils.environment`: ``patch_environment``, ``purge_accelerate_environment``,
   ``str_to_bool``;
 - the handlers (``AutocastKwargs``, ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
@@ -137,7 +137,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.structures import recursively_apply as recursively_apply
     from kwplug.utils.structures import send_to_device as send_to_device
     from kwplug.utils.structures import slice_tensors as slice_tensors
-    from kwplug.utils.tqdm import tqdm as tqdm
+    from kwplug.utils.progress import tqdm as tqdm
 
 #: Public name -> the module that defines it (Accelerate's names only: a module may define
 #: more). The one list of this package's names: ``__all__`` and ``dir()`` derive from it.
@@ -224,7 +224,7 @@ _EXPORTS: dict[str, str] = {
     "is_xccl_available": "kwplug.utils.availability",
     "extract_model_from_parallel": "kwplug.utils.other",
     "wait_for_everyone": "kwplug.utils.other",
-    "tqdm": "kwplug.utils.tqdm",
+    "tqdm": "kwplug.utils.progress",
     "synchronize_rng_state": "kwplug.utils.random",
     "synchronize_rng_states": "kwplug.utils.random",
     "concatenate": "kwplug.utils.structures",
