@@ -121,6 +121,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.operations import reduce as reduce
     from kwplug.utils.other import extract_model_from_parallel as extract_model_from_parallel
     from kwplug.utils.other import wait_for_everyone as wait_for_everyone
+    from kwplug.utils.progress import tqdm as tqdm
     from kwplug.utils.random import set_seed as set_seed
     from kwplug.utils.random import synchronize_rng_state as synchronize_rng_state
     from kwplug.utils.random import synchronize_rng_states as synchronize_rng_states
@@ -137,7 +138,6 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.structures import recursively_apply as recursively_apply
     from kwplug.utils.structures import send_to_device as send_to_device
     from kwplug.utils.structures import slice_tensors as slice_tensors
-    from kwplug.utils.progress import tqdm as tqdm
 
 #: Public name -> the module that defines it (Accelerate's names only: a module may define
 #: more). The one list of this package's names: ``__all__`` and ``dir()`` derive from it.
