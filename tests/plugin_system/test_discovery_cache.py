@@ -54,7 +54,9 @@ def names() -> set[str]:
 
 
 @pytest.fixture
-def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def site(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[Path]:
     """A private cache folder and an old, empty site folder first on ``sys.path``."""
     monkeypatch.setenv("KWPLUG_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("KWPLUG_NO_CACHE", raising=False)
@@ -69,9 +71,20 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     age(quiet)
     monkeypatch.chdir(quiet)
     # Likewise any sys.path folder another test touched in the last seconds (a key younger
-    # than the racy window is never written): these tests import nothing new from them.
+    # than the racy window is never written), and the repository's own folders: another
+    # xdist worker writes there at any moment (coverage data, scratch files), which would
+    # change the key between a test's write and its read. These tests import nothing new
+    # from them.
     recent = time.time() - 10
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if not _touched_since(p, recent)])
+    repo = str(request.config.rootpath)
+    kept = [
+        p
+        for p in sys.path
+        if p
+        and not _touched_since(p, recent)
+        and os.path.commonpath([repo, os.path.abspath(p)]) != repo
+    ]
+    monkeypatch.setattr(sys, "path", kept)
     sys.path.insert(0, str(folder))
     modules = set(sys.modules)
     yield folder
