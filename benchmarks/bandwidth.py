@@ -254,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-accelerate", action="store_true")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: nccl")
     parser.add_argument("--time-to-accuracy", action="store_true")
+    parser.add_argument(
+        "--width", type=int, default=128, help="time-to-accuracy: the MLP's hidden width"
+    )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per torchrun launch")
     parser.add_argument("--json", metavar="PATH", default=None)
     args = parser.parse_args(argv)
@@ -266,7 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks import bandwidth_accuracy
 
         with Namespace(None if bits_per_s is None else args.rate) as ns:
-            return bandwidth_accuracy.run(ns, launch, args.rate, args.quick, args.json)
+            return bandwidth_accuracy.run(
+                ns, launch, args.rate, args.quick, args.json, width=args.width,
+                accelerate=accelerate_available() and not args.no_accelerate,
+                timeout=args.timeout_s,
+            )  # fmt: skip
     accel = accelerate_available() and not args.no_accelerate
     if args.configs:
         configs = args.configs.split(",")

@@ -1,12 +1,22 @@
-"""``python -m benchmarks bandwidth --time-to-accuracy --rate 100mbit``: wall time to 95%
-held-out accuracy on scikit-learn's digits, 2 ranks, kwplug, per communication hook.
+"""``python -m benchmarks bandwidth --time-to-accuracy --rate 100mbit``: wall time and steps to
+95% held-out accuracy on scikit-learn's digits, 2 ranks, raw DDP vs Accelerate vs kwplug, per
+communication hook.
 
 The model, split and optimiser are those of ``examples/train_digits.py``'s defaults: the
-64-128-64-10 MLP, a stratified 20% held out (``random_state=0``), SGD (lr 0.1, momentum 0.9),
-batch 32 per rank, each rank training on every second sample. Every 10 steps rank 0 evaluates
-the held-out set and broadcasts whether 95% is reached; the clock (started after a barrier)
-includes those evaluations. Run inside :class:`benchmarks.bandwidth.Namespace` by
-:func:`run`; this module is also the per-rank worker.
+64-128-64-10 MLP (``--width 128``; ``--width W`` makes it 64-W-W/2-10, so that the link
+matters), a stratified 20% held out (``random_state=0``), SGD (lr 0.1, momentum 0.9), batch
+32 per rank, each rank training on every second sample. Every :data:`EVAL_EVERY` steps rank 0
+evaluates the held-out set and broadcasts whether 95% is reached; the clock (started after a
+barrier) includes those evaluations. Every (system, hook) pair starts from the same weights
+and sees the same batches.
+
+Systems, as in :mod:`benchmarks.bandwidth_systems`: ``raw`` is torch's DDP with torch's hook
+functions registered by hand (kwplug-compress's for int8/top-k, which torch lacks; torch's
+``PeriodicModelAverager`` for local SGD), ``accelerate`` its ``DistributedDataParallelKwargs``
+and ``LocalSGD``, ``kwplug`` its own. Each system runs in a launch of its own, torch's
+PowerSGD (which aborts the process on gloo) in one per hook, so one failure costs one row.
+Run inside :class:`benchmarks.bandwidth.Namespace` by :func:`run`; this module is also the
+per-rank worker.
 """
 
 from __future__ import annotations
@@ -14,132 +24,146 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-TARGET = 0.95
-EVAL_EVERY = 10
-MAX_STEPS = 3000
+from benchmarks._tta_train import EVAL_EVERY, TARGET, train
+
 HOOKS: dict[str, dict[str, Any]] = {
     "no": {},
     "fp16": {},
     "bf16": {},
     "power_sgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 10},
     "int8": {},
-    "topk": {"ratio": 0.05},
+    "topk": {"ratio": 0.1},
+    "local_sgd": {},
 }
+SYSTEMS = ("raw", "accelerate", "kwplug")
+#: Accelerate has no int8/top-k hook.
+UNSUPPORTED = frozenset({"accelerate:int8", "accelerate:topk"})
+#: torch's PowerSGD hook aborts the process on gloo: a launch of its own.
+ALONE = frozenset({"raw:power_sgd", "accelerate:power_sgd"})
+#: Seconds a lone torch PowerSGD launch may take: on gloo it aborts, or hangs in a collective.
+ALONE_TIMEOUT_S = 240.0
+QUICK = ("raw:no", "kwplug:no", "kwplug:fp16")
+#: Steps to the target may be at most this multiple of plain all-reduce's (issue 20, goal 3).
+STEPS_GOAL = 1.2
 
 
-def _data() -> tuple[torch.Tensor, ...]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
-    split = train_test_split(x, y, test_size=0.2, stratify=y, random_state=0)
-    return tuple(split)
-
-
-def time_to_accuracy(hook: str) -> dict[str, Any]:
-    """Train with ``comm_hook=hook`` until :data:`TARGET` held-out accuracy (one rank's view)."""
-    import kwplug
-
-    x_train, x_test, y_train, y_test = _data()
-    handler = kwplug.DistributedDataParallelKwargs(comm_hook=hook, comm_state_option=HOOKS[hook])
-    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
-    rank, world = accelerator.process_index, accelerator.num_processes
-    torch.manual_seed(0)
-    plain = torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(),
-        torch.nn.Linear(64, 10),
-    )  # fmt: skip
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
-    model, opt = accelerator.prepare(plain, opt)
-    shard_x, shard_y = x_train[rank::world], y_train[rank::world]
-    per_epoch = len(shard_y) // 32
-    gen = torch.Generator().manual_seed(rank)
-    order = torch.randperm(len(shard_y), generator=gen)
-    accuracy, done = 0.0, torch.zeros(1)
-    dist.barrier()
-    start = time.perf_counter()
-    step = 0
-    while step < MAX_STEPS:
-        if step % per_epoch == 0:
-            order = torch.randperm(len(shard_y), generator=gen)
-        index = order[(step % per_epoch) * 32 : (step % per_epoch + 1) * 32]
-        loss = torch.nn.functional.cross_entropy(model(shard_x[index]), shard_y[index])
-        accelerator.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        step += 1
-        if step % EVAL_EVERY == 0:
-            if rank == 0:
-                with torch.no_grad():
-                    predicted = accelerator.unwrap_model(model)(x_test).argmax(1)
-                accuracy = float((predicted == y_test).float().mean())
-                done.fill_(float(accuracy >= TARGET))
-            dist.broadcast(done, 0)
-            if done.item():
-                break
-    seconds = time.perf_counter() - start
-    return {
-        "hook": hook,
-        "steps": step,
-        "seconds": seconds if done.item() else None,
-        "accuracy": accuracy,
-        "ms_per_step": seconds / step * 1e3,
-    }
-
-
-def run(ns: Any, launch: Callable[..., Any], rate: str, quick: bool, out: str | None) -> int:
-    """Launch the workers in ``ns`` and print the table; the exit status."""
-    hooks = ["no", "fp16", "int8"] if quick else list(HOOKS)
-    data, error = launch(ns, "benchmarks.bandwidth_accuracy", ["--hooks", ",".join(hooks)], 900)
-    if data is None:
-        print(f"time-to-accuracy failed: {error}")
-        return 1
-    lines = [
-        f"### time to {TARGET:.0%} held-out accuracy, digits MLP, 2 ranks, loopback {rate}",
-        "",
-        "| hook | seconds | steps | ms/step | accuracy reached |",
-        "|---|---|---|---|---|",
+def configs(quick: bool, accelerate: bool) -> list[str]:
+    """The ``system:hook`` pairs to run."""
+    if quick:
+        return list(QUICK)
+    return [
+        f"{s}:{h}"
+        for s in SYSTEMS
+        for h in HOOKS
+        if f"{s}:{h}" not in UNSUPPORTED and (accelerate or s != "accelerate")
     ]
-    for r in data["results"]:
-        seconds = "not reached" if r["seconds"] is None else f"{r['seconds']:.2f}"
-        lines.append(
-            f"| {r['hook']} | {seconds} | {r['steps']} | {r['ms_per_step']:.1f} "
-            f"| {r['accuracy']:.3f} |"
-        )
-    print("\n".join(lines))
+
+
+def groups(pairs: Sequence[str]) -> list[list[str]]:
+    """One launch per system, torch's PowerSGD pairs alone."""
+    out: list[list[str]] = []
+    for system in SYSTEMS:
+        shared = [p for p in pairs if p.startswith(system + ":") and p not in ALONE]
+        out += [shared] if shared else []
+        out += [[p] for p in pairs if p.startswith(system + ":") and p in ALONE]
+    return out
+
+
+def run(
+    ns: Any,
+    launch: Callable[..., Any],
+    rate: str,
+    quick: bool,
+    out: str | None,
+    *,
+    width: int = 128,
+    accelerate: bool = True,
+    timeout: float = 900.0,
+) -> int:
+    """Launch the workers in ``ns`` and print the table; the exit status."""
+    results: dict[str, dict[str, Any]] = {}
+    pending = groups(configs(quick, accelerate))
+    while pending:
+        group = pending.pop(0)
+        print(f"[time-to-accuracy] {rate}: {','.join(group)}", flush=True)
+        args = ["--configs", ",".join(group), "--width", str(width)]
+        limit = min(timeout, ALONE_TIMEOUT_S) if group[0] in ALONE else timeout
+        data, error = launch(ns, "benchmarks.bandwidth_accuracy", args, limit)
+        if data is not None:
+            results.update({r["config"]: r for r in data["results"]})
+        elif len(group) > 1:
+            pending = [[c] for c in group] + pending
+        else:
+            results[group[0]] = {"config": group[0], "error": error}
+    rows = [results[c] for c in configs(quick, accelerate) if c in results]
+    print("\n".join(markdown(rows, rate, width)), flush=True)
     if out:
         with open(out, "w", encoding="utf-8") as handle:
-            json.dump({"rate": rate, **data}, handle, indent=2)
-    return 0
+            json.dump({"rate": rate, "width": width, "results": rows}, handle, indent=2)
+    return 0 if any(r.get("seconds") for r in rows) else 1
+
+
+def markdown(rows: Sequence[dict[str, Any]], rate: str, width: int) -> list[str]:
+    """The table, and each system's best setting with its steps against plain all-reduce's."""
+    lines = [
+        f"#### time to {TARGET:.0%} held-out accuracy, digits MLP 64-{width}-{width // 2}-10, "
+        f"2 ranks, loopback {rate}",
+        "",
+        "| system:hook | seconds | steps | steps vs system:no | ms/step | accuracy reached |",
+        "|---|---|---|---|---|---|",
+    ]
+    plain = {r["config"].split(":")[0]: r.get("steps") for r in rows if r["config"].endswith(":no")}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['config']} | failed: {r['error']} |||||")
+            continue
+        seconds = "not reached" if r["seconds"] is None else f"{r['seconds']:.2f}"
+        base = plain.get(r["config"].split(":")[0])
+        ratio = f"{r['steps'] / base:.2f}x" if base and r["seconds"] is not None else "-"
+        lines.append(
+            f"| {r['config']} | {seconds} | {r['steps']} | {ratio} | {r['ms_per_step']:.1f} "
+            f"| {r['accuracy']:.3f} |"
+        )
+    lines += ["", "| system | fastest setting to target | seconds | steps within "
+              f"{STEPS_GOAL}x of plain |", "|---|---|---|---|"]  # fmt: skip
+    for system in SYSTEMS:
+        reached = [r for r in rows if r["config"].startswith(system + ":") and r.get("seconds")]
+        if not reached:
+            continue
+        best = min(reached, key=lambda r: r["seconds"])
+        base = plain.get(system)
+        within = "-" if not base else ("yes" if best["steps"] <= STEPS_GOAL * base else "no")
+        lines.append(f"| {system} | {best['config']} | {best['seconds']:.2f} | {within} |")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Per-rank entry point under torchrun."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--hooks", required=True)
+    parser.add_argument("--configs", required=True, help="system:hook,...")
+    parser.add_argument("--width", type=int, default=128)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     results = []
-    for hook in args.hooks.split(","):
+    for config in args.configs.split(","):
+        system, hook = config.split(":")
         try:
-            results.append(time_to_accuracy(hook))
+            result = train(system, hook, HOOKS[hook], args.width)
         except Exception as exc:
-            results.append({"hook": hook, "steps": 0, "seconds": None, "accuracy": 0.0,
-                            "ms_per_step": 0.0, "error": repr(exc)[:200]})  # fmt: skip
+            result = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+        results.append({"config": config, **result})
+        dist.barrier()
     if dist.get_rank() == 0:
         with open(args.out, "w", encoding="utf-8") as handle:
-            json.dump({"results": results}, handle, indent=2)
+            json.dump({"results": results, "eval_every": EVAL_EVERY}, handle, indent=2)
     dist.barrier()
     dist.destroy_process_group()
 

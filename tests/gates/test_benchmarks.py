@@ -204,3 +204,36 @@ def test_the_picture_is_drawn_from_the_combined_json(tmp_path: Path) -> None:
     assert len(panels(combined)) == 2
     out = write_png(combined, str(tmp_path / "run.png"))
     assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- time to accuracy (python -m benchmarks bandwidth --time-to-accuracy) ---------------------
+
+from benchmarks import bandwidth_accuracy  # noqa: E402
+
+
+def test_time_to_accuracy_launch_groups_isolate_torch_power_sgd() -> None:
+    pairs = bandwidth_accuracy.configs(quick=False, accelerate=True)
+    assert "accelerate:topk" not in pairs and "kwplug:topk" in pairs and "raw:topk" in pairs
+    groups = bandwidth_accuracy.groups(pairs)
+    assert sorted(p for g in groups for p in g) == sorted(pairs)  # each pair runs once
+    assert ["raw:power_sgd"] in groups and ["accelerate:power_sgd"] in groups
+    assert any("kwplug:power_sgd" in g and len(g) > 1 for g in groups)  # kwplug's shares
+    assert all(len({p.split(":")[0] for p in g}) == 1 for g in groups)  # one system a launch
+    assert "accelerate:no" not in bandwidth_accuracy.configs(quick=False, accelerate=False)
+
+
+def test_time_to_accuracy_table_compares_steps_with_plain() -> None:
+    rows = [
+        {"config": "raw:no", "steps": 100, "seconds": 2.0, "accuracy": 0.95, "ms_per_step": 20.0},
+        {"config": "kwplug:no", "steps": 100, "seconds": 2.1, "accuracy": 0.96, "ms_per_step": 21},
+        {"config": "kwplug:topk", "steps": 130, "seconds": 1.0, "accuracy": 0.95, "ms_per_step": 8},
+        {"config": "kwplug:int8", "steps": 3000, "seconds": None, "accuracy": 0.5,
+         "ms_per_step": 9.0},
+        {"config": "raw:power_sgd", "error": "SIGABRT"},
+    ]  # fmt: skip
+    text = "\n".join(bandwidth_accuracy.markdown(rows, "100mbit", 128))
+    assert "| kwplug:topk | 1.00 | 130 | 1.30x |" in text
+    assert "| kwplug:int8 | not reached | 3000 | - |" in text
+    assert "| raw:power_sgd | failed: SIGABRT |" in text
+    assert "| kwplug | kwplug:topk | 1.00 | no |" in text  # fastest, but 1.3x the steps
+    assert "| raw | raw:no | 2.00 | yes |" in text
