@@ -12,5 +12,6 @@ BENCHMARKS: tuple[str, ...] = (
     "autocast_enter",
     "dispatch",
     "construct_import",
+    "per_call",
     "ddp_2proc",
 )
