@@ -20,7 +20,20 @@ from typing import Any
 
 from kwplug._environment import ProcessInfo
 
-__all__ = ["MultiProcessAdapter", "get_logger"]
+__all__ = [
+    "MultiProcessAdapter",
+    "get_logger",
+    "get_verbosity",
+    "set_verbosity",
+    "set_verbosity_debug",
+    "set_verbosity_error",
+    "set_verbosity_info",
+    "set_verbosity_warning",
+]
+
+#: The library's logger: every ``kwplug.*`` logger inherits its level.
+_LIBRARY = "kwplug"
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -100,3 +113,55 @@ def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
         logger.setLevel(level)
         logger.root.setLevel(level)
     return MultiProcessAdapter(logger, {})
+
+
+def get_verbosity() -> int:
+    """The effective level of kwplug's library logger (``logging.getLogger("kwplug")``) as an
+    ``int`` (``logging.WARNING`` is 30), as Accelerate's for its ``accelerate`` logger."""
+    return logging.getLogger(_LIBRARY).getEffectiveLevel()
+
+
+def set_verbosity(verbosity: int | str) -> None:
+    """Set the level of kwplug's library logger, which every ``kwplug.*`` logger without a
+    level of its own inherits. The root logger and other libraries' loggers are untouched.
+
+    Args:
+        verbosity: a :mod:`logging` level (``int``, e.g. ``logging.INFO``) or its name, in
+            any case (``"debug"``, ``"info"``, ``"warning"``, ``"error"``, ``"critical"``).
+
+    Raises:
+        TypeError: ``verbosity`` is neither an ``int`` nor a ``str`` (``bool`` included).
+        ValueError: an unknown level name, naming the accepted ones.
+    """
+    if isinstance(verbosity, bool) or not isinstance(verbosity, int | str):
+        raise TypeError(
+            f"verbosity must be a logging level (int) or one of {', '.join(_LEVELS)}, "
+            f"got {type(verbosity).__name__}"
+        )
+    if isinstance(verbosity, str):
+        if verbosity.upper() not in _LEVELS:
+            raise ValueError(
+                f"verbosity must be one of {', '.join(_LEVELS)} (any case), got {verbosity!r}"
+            )
+        verbosity = verbosity.upper()
+    logging.getLogger(_LIBRARY).setLevel(verbosity)
+
+
+def set_verbosity_debug() -> None:
+    """``set_verbosity(logging.DEBUG)``."""
+    set_verbosity(logging.DEBUG)
+
+
+def set_verbosity_info() -> None:
+    """``set_verbosity(logging.INFO)``."""
+    set_verbosity(logging.INFO)
+
+
+def set_verbosity_warning() -> None:
+    """``set_verbosity(logging.WARNING)``."""
+    set_verbosity(logging.WARNING)
+
+
+def set_verbosity_error() -> None:
+    """``set_verbosity(logging.ERROR)``."""
+    set_verbosity(logging.ERROR)

@@ -16,6 +16,8 @@ Modules, named as Accelerate's:
   for nested tuples/lists/dicts of tensors (in Accelerate's ``operations``);
 - :mod:`kwplug.utils.imports`: ``is_*_available``, ``is_torch_version``
   (:mod:`kwplug.utils.availability`: the checks for integrations kwplug does not use);
+- :mod:`kwplug.utils.devices`: ``get_torch_accelerator_backend``, ``get_distributed_backend``,
+  ``normalize_device``, ``get_accelerator_free_memory``;
 - :mod:`kwplug.utils.other`: ``wait_for_everyone``, ``extract_model_from_parallel``;
   :mod:`kwplug.utils.progress`: ``tqdm``;
 - :mod:`kwplug.utils.environment`: ``patch_environment``, ``purge_accelerate_environment``,
@@ -56,6 +58,10 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.dataclasses import GradientAccumulationPlugin as GradientAccumulationPlugin
     from kwplug.utils.dataclasses import ProjectConfiguration as ProjectConfiguration
     from kwplug.utils.dataclasses import RNGType as RNGType
+    from kwplug.utils.devices import get_accelerator_free_memory as get_accelerator_free_memory
+    from kwplug.utils.devices import get_distributed_backend as get_distributed_backend
+    from kwplug.utils.devices import get_torch_accelerator_backend as get_torch_accelerator_backend
+    from kwplug.utils.devices import normalize_device as normalize_device
     from kwplug.utils.environment import parse_flag_from_env as parse_flag_from_env
     from kwplug.utils.environment import patch_environment as patch_environment
     from kwplug.utils.environment import (
@@ -222,6 +228,10 @@ _EXPORTS: dict[str, str] = {
     "is_triton_available": "kwplug.utils.availability",
     "is_weights_only_available": "kwplug.utils.availability",
     "is_xccl_available": "kwplug.utils.availability",
+    "get_accelerator_free_memory": "kwplug.utils.devices",
+    "get_distributed_backend": "kwplug.utils.devices",
+    "get_torch_accelerator_backend": "kwplug.utils.devices",
+    "normalize_device": "kwplug.utils.devices",
     "extract_model_from_parallel": "kwplug.utils.other",
     "wait_for_everyone": "kwplug.utils.other",
     "tqdm": "kwplug.utils.progress",

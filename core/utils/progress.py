@@ -12,8 +12,9 @@ def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
     node when ``main_process_only`` (Accelerate's wrapper).
 
     Args:
-        args, kwargs: ``tqdm``'s own arguments (``disable=True`` still disables).
+        *args: ``tqdm``'s own positional arguments (the iterable first).
         main_process_only: ``bool``, default ``True``.
+        **kwargs: ``tqdm``'s own keyword arguments (``disable=True`` still disables).
 
     Raises:
         ImportError: ``tqdm`` is not installed (``pip install tqdm``, or kwplug's

@@ -49,13 +49,30 @@ def test_every_export_resolves_and_matches_its_module() -> None:
     assert "set_seed" in dir(ku)
 
 
+#: Checks Accelerate 1.16 dropped from ``accelerate.utils`` and its modules (earlier 1.x had
+#: them): kwplug keeps them, so that scripts written for those versions still import. (1.16
+#: also stopped re-exporting six names at the top level; its submodules still have them.)
+DROPPED_IN_ACCELERATE_1_16 = frozenset({"is_pippy_available", "is_weights_only_available"})
+
+
+def _accelerate_at_least(version: str) -> bool:
+    from importlib.metadata import version as installed
+
+    from packaging.version import Version
+
+    return Version(installed("accelerate")) >= Version(version)
+
+
 def test_every_export_is_an_accelerate_utils_name() -> None:
     # In accelerate.utils itself, or in its module of the same name (structures: operations).
     def theirs(module: str) -> Any:
         tail = module.rsplit(".", 1)[-1].replace("structures", "operations")
-        return importlib.import_module(f"accelerate.utils.{tail}")
+        try:
+            return importlib.import_module(f"accelerate.utils.{tail}")
+        except ModuleNotFoundError:
+            return None
 
-    missing = [
+    missing = {
         name
         for name in ku.__all__
         if not hasattr(accelerate_utils, name)
@@ -63,8 +80,66 @@ def test_every_export_is_an_accelerate_utils_name() -> None:
             ku._EXPORTS[name].startswith("kwplug.utils.")
             and hasattr(theirs(ku._EXPORTS[name]), name)
         )
-    ]
-    assert missing == []
+    }
+    if _accelerate_at_least("1.16"):
+        assert missing == DROPPED_IN_ACCELERATE_1_16  # each still exported, none stale
+    else:
+        assert missing == set()
+    assert set(ku.__all__) >= DROPPED_IN_ACCELERATE_1_16
+
+
+def test_accelerate_1_16_device_helpers_answer_as_accelerate() -> None:
+    if not _accelerate_at_least("1.16"):
+        pytest.skip("Accelerate < 1.16 has no device helpers")
+    for device_type in (None, "cpu", "cuda", "xpu", "mps", "hpu", "nope"):
+        assert ku.get_distributed_backend(device_type) == accelerate_utils.get_distributed_backend(
+            device_type
+        ), device_type
+    for check in (True, False):
+        assert ku.get_torch_accelerator_backend(check) == (
+            accelerate_utils.get_torch_accelerator_backend(check)
+        )
+    for device in (0, 3, "cpu", "npu", torch.device("cpu"), "cuda:1"):
+        assert ku.normalize_device(device) == accelerate_utils.normalize_device(device), device
+
+    class Module:  # a device module: (free, total) bytes of device i
+        @staticmethod
+        def mem_get_info(index: int) -> tuple[int, int]:
+            return (1000 + index, 4000)
+
+    assert ku.get_accelerator_free_memory(Module, 2) == 1002
+    assert ku.get_accelerator_free_memory(Module, 2) == (
+        accelerate_utils.get_accelerator_free_memory(Module, 2)
+    )
+
+
+def test_verbosity_is_kwplugs_library_level() -> None:
+    import logging
+
+    import kwplug.logging as kl
+
+    library, child = logging.getLogger("kwplug"), logging.getLogger("kwplug.some.module")
+    before = library.level
+    try:
+        kl.set_verbosity("error")
+        assert kl.get_verbosity() == logging.ERROR == child.getEffectiveLevel()
+        kl.set_verbosity_debug()
+        assert kl.get_verbosity() == logging.DEBUG
+        kl.set_verbosity_info()
+        assert kl.get_verbosity() == logging.INFO
+        kl.set_verbosity_warning()
+        assert kl.get_verbosity() == logging.WARNING
+        kl.set_verbosity_error()
+        assert kl.get_verbosity() == logging.ERROR
+        kl.set_verbosity(logging.DEBUG)
+        assert kl.get_verbosity() == logging.DEBUG
+        assert logging.getLogger().level != logging.DEBUG or before == logging.DEBUG
+        with pytest.raises(ValueError, match="DEBUG, INFO, WARNING, ERROR, CRITICAL"):
+            kl.set_verbosity("loud")
+        with pytest.raises(TypeError, match="verbosity must be"):
+            kl.set_verbosity(True)
+    finally:
+        library.setLevel(before)
 
 
 def test_the_handlers_are_kwplugs_own() -> None:
