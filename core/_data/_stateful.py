@@ -53,6 +53,8 @@ class _TorchdataPosition:
     _restore: dict[str, Any] | None
     _resumed: int
     _initial_iter_for_state_dict: bool
+    _epoch_start: dict[str, Any]
+    num_workers: int
     _skipped: int
     _skip: int
     _epoch_sent: bool
@@ -69,6 +71,9 @@ class _TorchdataPosition:
         # As Accelerate's DataLoaderAdapter: torchdata's state_dict() now, which builds the
         # first epoch's iterator (drawing its base seed from torch's generator here, so that
         # the draws after prepare are Accelerate's); the first iteration uses it.
+        # Workers take their indices when the iterator is built: that epoch's order comes
+        # from the generators as they are now.
+        self._built_from = self._snapshot(self.sharding.global_rng)  # type: ignore[attr-defined]
         StatefulDataLoader.state_dict(self)
         self._early = True  # this epoch's iterator was built before it started
 
@@ -90,7 +95,16 @@ class _TorchdataPosition:
     def _start_iterator(self) -> Any:
         self._snapshot_state = None
         self._early = bool(self._initial_iter_for_state_dict)
-        return super()._start_iterator()  # type: ignore[misc]
+        iterator = super()._start_iterator()  # type: ignore[misc]
+        if self._early and self.num_workers > 0:
+            self._epoch_start.update(self._built_from)
+        return iterator
+
+    @property
+    def _replay_after_iterator(self) -> bool:
+        # In the main process the sampler draws at the first batch, after the iterator (built
+        # early) drew its seed; workers' indices were drawn when it was built.
+        return self._early and self.num_workers == 0
 
     def _forget_restored(self) -> None:
         self.next_iter_state, self._loaded, self._resumed = None, None, 0
@@ -129,7 +143,7 @@ class _TorchdataPosition:
             if self.end_of_dataloader:
                 torchdata["_iterator_finished"] = True
             state["skipped"] = self._skipped
-            state["rng_after_iterator"] = self._early
+            state["rng_after_iterator"] = self._replay_after_iterator
             first = getattr(self, "_first", None)  # a dispatched loader's
             if first is not None:
                 state["first_samples"] = first
