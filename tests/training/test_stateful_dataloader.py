@@ -96,19 +96,6 @@ def test_the_flag_gives_torchdata_stateful_dataloaders() -> None:
     assert not isinstance(kwplug.Accelerator(cpu=True).prepare(_map_loader()), StatefulDataLoader)
 
 
-def test_without_torchdata_the_flag_is_an_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kwplug.utils.imports as imports
-
-    monkeypatch.setattr(imports, "is_torchdata_stateful_dataloader_available", lambda: False)
-    with pytest.raises(ImportError, match="pip install torchdata"):
-        DataLoaderConfiguration(use_stateful_dataloader=True)
-    from kwplug.data_loader import prepare_data_loader
-
-    with pytest.raises(ImportError, match="pip install torchdata"):
-        prepare_data_loader(_map_loader(), use_stateful_dataloader=True)
-    assert not DataLoaderConfiguration().use_stateful_dataloader  # the default needs nothing
-
-
 def test_dataloader_config_is_settable_as_in_accelerate() -> None:
     accelerator = kwplug.Accelerator(cpu=True)
     accelerator.dataloader_config = STATEFUL
