@@ -86,7 +86,8 @@ def prepare_data_loader(
         use_seedable_sampler: the ``DataLoaderConfiguration`` field (same default).
         data_seed: the ``DataLoaderConfiguration`` field (same default).
         non_blocking: the ``DataLoaderConfiguration`` field (same default).
-        use_stateful_dataloader: the ``DataLoaderConfiguration`` field (same default).
+        use_stateful_dataloader: the ``DataLoaderConfiguration`` field (same default): the
+            loader returned is torchdata's ``StatefulDataLoader``.
         put_on_device: ``bool``, default ``False``; move each batch to ``device``.
         rng_types: ``None`` (default) or ``["generator"]``: a loader shuffling with a
             generator draws the same order on every process (broadcast from process 0 at each
@@ -104,6 +105,8 @@ def prepare_data_loader(
             ``torch_device_mesh`` is given, ``process_index`` is not in
             ``[0, num_processes)``; as :func:`kwplug.data.prepare_dataloader`.
         TypeError: as :class:`~kwplug.utils.DataLoaderConfiguration`.
+        ImportError: ``use_stateful_dataloader=True`` without torchdata (``pip install
+            torchdata``).
     """
     from kwplug.state import PartialState
     from kwplug.utils.dataclasses import DataLoaderConfiguration

@@ -113,6 +113,10 @@ class DispatchedDataLoader(PreparedDataLoader):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._remainder = -1
+        # The epoch's first samples (completing its last global batch), kept by a stateful
+        # loader's position: a resumed epoch does not read them again.
+        self._first: Any = None
+        self._resume_first: Any = None
 
     @property
     def remainder(self) -> int:
@@ -184,9 +188,12 @@ class DispatchedDataLoader(PreparedDataLoader):
         n, rank = self.sharding.num_processes, self.sharding.process_index
         source = self._global_batches(iterator) if rank == 0 else None
         current = self._read(source)
-        first: Any = None  # the epoch's first n samples, to complete the last global batch
+        # the epoch's first n samples, to complete the last global batch
+        first, self._resume_first = self._resume_first, None
+        self._first = first
         index = 0
         while True:
+            self._position_reached()
             # structure, last, error (sent as text: an exception may not pickle)
             message: list[Any] = [None, True, None]
             following: Any = _END
@@ -214,7 +221,7 @@ class DispatchedDataLoader(PreparedDataLoader):
             observed = find_batch_size(batch)
             width = observed // n
             if first is None and not self.sharding.drop_last:
-                first = slice_tensors(batch, slice(0, n))
+                first = self._first = slice_tensors(batch, slice(0, n))
             if last and not self.sharding.drop_last and observed % n:
                 batch, width = concatenate([batch, first], dim=0), width + 1
             mine = slice_tensors(batch, slice(rank * width, (rank + 1) * width))

@@ -74,7 +74,9 @@ class SkippableBatches:
                 yield batch
 
     def __getattr__(self, name: str) -> Any:  # batch_size, drop_last, sampler...
-        if name == "batches":
+        # Not the state methods: torchdata's StatefulDataLoader would take the user's sampler
+        # state for this wrapper's (it fast-forwards by index instead).
+        if name in ("batches", "state_dict", "load_state_dict"):
             raise AttributeError(name)
         return getattr(self.batches, name)
 
@@ -155,6 +157,10 @@ class PreparedDataLoader(DataLoader[Any]):
         self._restore: dict[str, Any] | None = None
         self._epoch_start: dict[str, Any] = {}
         self._epoch_sent = False
+        # A stateful loader's restored position (kwplug._data._stateful): batches the
+        # underlying iterator resumes after, and the batches its batch sampler skipped.
+        self._resumed = 0
+        self._skipped = 0
 
     @property
     def total_batch_size(self) -> int | None:
@@ -283,13 +289,19 @@ class PreparedDataLoader(DataLoader[Any]):
         # from the epoch's saved start, or skip them, and leave the global state untouched.
         current, own = torch.get_rng_state(), getattr(sampler, "generator", None)
         replay = restore.get("global_rng")
+        # A stateful loader's first iterator was built when it was prepared (as
+        # Accelerate's): that epoch's draws at its start came after the iterator's.
+        late = bool(restore.get("rng_after_iterator"))
         if replay is not None:
-            torch.set_rng_state(replay)
             self._epoch_start["global_rng"] = replay
+            if not late:
+                torch.set_rng_state(replay)
         if order is not _KEEP:
             sampler.generator = order
         try:
             iterator = super().__iter__()
+            if replay is not None and late:
+                torch.set_rng_state(replay)
             draws = replay is not None or order is not _KEEP
             first = next(iterator, _END) if draws else _END
         finally:
@@ -308,7 +320,9 @@ class PreparedDataLoader(DataLoader[Any]):
         else:  # an iterable data set: the skipped batches are read and dropped
             dropped = skip
         self.end_of_dataloader = False
-        self.batches_yielded = skip
+        self._skipped = skip - dropped
+        resumed, self._resumed = self._resumed, 0
+        self.batches_yielded = skip + resumed
         iterator = self._start_iterator()
         if self.tracker is not None:
             self.tracker.begin(self)
@@ -322,6 +336,10 @@ class PreparedDataLoader(DataLoader[Any]):
         for callback in self.on_end:
             callback(self)
 
+    def _position_reached(self) -> None:
+        """The underlying iterator has produced the batch about to be yielded (and nothing
+        after it): where a stateful loader takes its snapshot (no-op here)."""
+
     def _rank_batches(self, iterator: Iterator[Any], skip: int) -> Iterator[Any]:
         """This process's batches from the underlying ``DataLoader`` iterator, after dropping
         ``skip`` of them (read, not yielded: an iterable data set cannot skip unread)."""
@@ -332,6 +350,7 @@ class PreparedDataLoader(DataLoader[Any]):
     def _look_ahead(self, iterator: Iterator[Any]) -> Iterator[Any]:
         current = next(iterator, _END)
         while current is not _END:
+            self._position_reached()
             if self.device is not None and self.device_placement:
                 current = to_device(current, self.device, self.sharding.non_blocking)
             following = next(iterator, _END)

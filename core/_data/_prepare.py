@@ -121,6 +121,7 @@ def prepare_dataloader(
     dataset, length = loader.dataset, _length(loader.dataset)
     place = None if device.type == "cpu" else device
     common: dict[str, Any] = {"device": place, "tracker": tracker, **kwargs}
+    shard_cls, dispatch_cls = _loader_classes(config)
 
     dispatch = config.dispatch_batches
     if dispatch is None:  # Accelerate's default: dispatch iterable data sets
@@ -143,7 +144,7 @@ def prepare_dataloader(
                 check_split(batch_size, n, "data loader")
             total = batch_size if (split or batch_size is None) else batch_size * n
             # batch_size stays the loader's (Accelerate's attribute; len() derives from it).
-            return DispatchedDataLoader(
+            return dispatch_cls(
                 dataset,
                 batch_size=batch_size,
                 drop_last=loader.drop_last,
@@ -165,7 +166,7 @@ def prepare_dataloader(
         per_process = batch_size // n if (n > 1 and split and batch_size) else batch_size
         total = batch_size if (split or batch_size is None) else batch_size * n
         sharding = Sharding(n, rank, split, total, length, loader.drop_last, config.non_blocking)
-        return PreparedDataLoader(
+        return shard_cls(
             dataset,
             batch_size=per_process,
             drop_last=loader.drop_last,
@@ -210,7 +211,7 @@ def prepare_dataloader(
         sharding = Sharding(
             n, rank, split, total, length, drop_last, config.non_blocking, None, global_rng
         )
-        return DispatchedDataLoader(
+        return dispatch_cls(
             dataset,
             batch_sampler=batches,
             sharding=sharding,
@@ -238,13 +239,26 @@ def prepare_dataloader(
         n, rank, split, total, length, drop_last, config.non_blocking, sync, global_rng
     )
     per_process = batch_size // n if (split and batch_size is not None and n > 1) else batch_size
-    return PreparedDataLoader(
+    return shard_cls(
         dataset,
         batch_sampler=SkippableBatches(batches),
         sharding=sharding,
         batch_size_per_process=per_process,
         **common,
     )
+
+
+def _loader_classes(
+    config: DataLoaderConfiguration,
+) -> tuple[type[PreparedDataLoader], type[DispatchedDataLoader]]:
+    """The loader classes for ``config``: torchdata's ``StatefulDataLoader`` ones with
+    ``use_stateful_dataloader`` (torchdata is imported only then)."""
+    if not config.use_stateful_dataloader:
+        return PreparedDataLoader, DispatchedDataLoader
+    # DataLoaderConfiguration checked that torchdata is installed.
+    from kwplug._data._stateful import StatefulDispatchedDataLoader, StatefulPreparedDataLoader
+
+    return StatefulPreparedDataLoader, StatefulDispatchedDataLoader
 
 
 def _with_sampler(batches: Any, sampler: Any) -> Any:

@@ -159,7 +159,6 @@ class Accelerator(
         self.local_process_index: int = setup.process.local_rank
         self.comm_hooks: dict[str, CommHook] = setup.comm_hooks
         self.scaler: LossScaler | None = setup.scaler
-        self.dataloader_config: DataLoaderConfiguration = options.dataloader_config
         self.project_configuration: ProjectConfiguration = options.project_configuration
         self.log_with: list[Any] = options.log_with
         self.step_scheduler_with_optimizer: bool = options.step_scheduler_with_optimizer

@@ -223,7 +223,7 @@ class _Prepared:
             self.gradient_state,
             num_processes=self.setup.process.world_size,
             step_with_optimizer=options.step_scheduler_with_optimizer if options else True,
-            split_batches=options.dataloader_config.split_batches if options else False,
+            split_batches=self.dataloader_config.split_batches,
         )
         self.schedulers.append(wrapped)
         self.custom_objects.append(wrapped)

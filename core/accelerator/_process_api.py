@@ -34,7 +34,20 @@ class _DataAndProcessAPI(_process.Ranks):
 
     # -- data loaders --------------------------------------------------------------------
 
-    dataloader_config: DataLoaderConfiguration
+    @property
+    def dataloader_config(self) -> DataLoaderConfiguration:
+        """How :meth:`prepare` shards data loaders. Settable, as in Accelerate: a new
+        :class:`~kwplug.utils.DataLoaderConfiguration` applies to the loaders prepared
+        afterwards (``TypeError`` for anything else)."""
+        return self._prepared.dataloader_config
+
+    @dataloader_config.setter
+    def dataloader_config(self, value: DataLoaderConfiguration) -> None:
+        if not isinstance(value, DataLoaderConfiguration):
+            raise TypeError(
+                f"dataloader_config must be a DataLoaderConfiguration, got {type(value).__name__}"
+            )
+        self._prepared.dataloader_config = value
 
     # Accelerate's read-only views of ``dataloader_config`` (``even_batches`` is settable, as
     # there: it changes the loaders prepared afterwards).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from kwplug.checkpoint import _reader as reader
 from kwplug.checkpoint import _resize as resize
 from kwplug.checkpoint._accumulation import PendingAccumulation
 from kwplug.checkpoint._stateful import ShardedModelState, ShardedOptimizerState
-from kwplug.errors import CheckpointError
+from kwplug.errors import CheckpointError, KwplugWarning
 
 if TYPE_CHECKING:
     from kwplug.checkpoint._sources import CheckpointSources
@@ -34,6 +35,16 @@ def _share(sources: CheckpointSources, value: Any) -> list[Any]:
     values: list[Any] = [None] * sources.num_processes
     torch.distributed.all_gather_object(values, value)
     return values
+
+
+def _warn_other_folder(what: str, mine: Path, first: Path) -> None:
+    warnings.warn(
+        f"{what}: this process passed {mine}, process 0 passed {first}; the processes of a "
+        f"run share one checkpoint, in process 0's folder, so {first} is used (pass the same "
+        "folder on every process)",
+        KwplugWarning,
+        stacklevel=4,
+    )
 
 
 def _failed(exc: OSError | CheckpointError | TypeError, what: str) -> str:
@@ -64,9 +75,12 @@ def save_state(sources: CheckpointSources, output_dir: str | os.PathLike[str]) -
                 staging = commit.begin(directory)
             except (OSError, CheckpointError) as exc:
                 error = _failed(exc, f"saving a checkpoint into {directory}")
-        staging_name, error = _share(acc, (staging and str(staging), error))[0]
+        shared = _share(acc, (staging and str(staging), error, str(directory)))
+        staging_name, error, first = shared[0]
         if error is not None:
             raise CheckpointError(error, directory)
+        if first != str(directory):
+            _warn_other_folder("save_state", directory, Path(first))
         staging = Path(staging_name)
         try:
             entries, error = prehooks.saving(acc, entries, staging)  # the user's save hooks
@@ -204,6 +218,16 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
                 else ""
             )
         )
+    # A run saves one checkpoint, into process 0's folder, even where each process passed
+    # its own (as Accelerate's test scripts do, with one TemporaryDirectory per process):
+    # a process whose folder holds none loads process 0's, which holds this process's files.
+    found = _share(acc, (missing, str(Path(input_dir).absolute())))
+    first = Path(found[0][1])
+    if missing is not None and found[0][0] is None and first != Path(input_dir).absolute():
+        directory = commit.resolve_checkpoint(first)
+        if directory is not None:
+            missing = None
+            _warn_other_folder("load_state", Path(input_dir).absolute(), first)
     # Every rank must find one (each may pass its own path): else all raise, none waits.
     absent = [(r, m) for r, m in enumerate(_share(acc, missing)) if m is not None]
     if missing is not None or directory is None:

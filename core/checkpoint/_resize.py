@@ -87,6 +87,10 @@ def _user_sharded(loader: PreparedDataLoader) -> bool:
     return isinstance(getattr(inner, "sampler", None), DistributedSampler)
 
 
+#: The keys of a position of a loader prepared without ``use_stateful_dataloader``.
+_POSITION_KEYS = frozenset(("epoch", "batches_yielded", "generator", "global_rng", "offset"))
+
+
 def convert_position(
     position: dict[str, Any],
     saved: Mapping[str, Any] | None,
@@ -118,6 +122,14 @@ def convert_position(
         raise CheckpointError(
             f"{path}: a data loader shards with a user's DistributedSampler; its position "
             f"cannot be moved from {old_size} to {new_size} processes (let prepare shard it)",
+            path,
+        )
+    if any(key not in _POSITION_KEYS for key in position):
+        raise CheckpointError(
+            f"{path}: a data loader prepared with use_stateful_dataloader=True holds "
+            "torchdata's state of its iterator (per process, for that number of processes); "
+            f"its position cannot be moved from {old_size} to {new_size} processes (resume "
+            f"on {old_size}, or prepare the loader without the flag)",
             path,
         )
     yielded, offset = int(position["batches_yielded"]), int(position.get("offset") or 0)

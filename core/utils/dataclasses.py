@@ -109,6 +109,18 @@ def _optional_int(*, ge: int) -> Any:
     return attrs.validators.optional(number(integer=True, ge=ge))
 
 
+def _torchdata_installed(instance: Any, attribute: Any, value: bool) -> None:
+    # At construction, as Accelerate's loaders do when prepared: never a silent no-op.
+    from kwplug.utils.imports import is_torchdata_stateful_dataloader_available
+
+    if value and not is_torchdata_stateful_dataloader_available():
+        raise ImportError(
+            "DataLoaderConfiguration(use_stateful_dataloader=True) needs torchdata's "
+            "StatefulDataLoader (torchdata >= 0.8.0): pip install torchdata (or "
+            "pip install 'kwplug[stateful]')"
+        )
+
+
 def _seed(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
@@ -151,13 +163,18 @@ class DataLoaderConfiguration:
         data_seed: ``int`` or ``None`` (default); the seed of that sampler's generator.
         non_blocking: ``bool``, default ``False``; copy batches to the device with
             ``non_blocking=True`` (pair with ``pin_memory=True``).
-        use_stateful_dataloader: ``bool``, default ``False``. Accelerate needs torchdata's
-            ``StatefulDataLoader`` for this; kwplug's prepared loaders always keep their
-            position (``state_dict``/``load_state_dict``), so ``True`` changes nothing.
+        use_stateful_dataloader: ``bool``, default ``False``; prepared loaders are torchdata's
+            ``torchdata.stateful_dataloader.StatefulDataLoader`` (torchdata >= 0.8, the
+            ``stateful`` extra: ``pip install torchdata``), as Accelerate's: their
+            ``state_dict()`` is torchdata's (with kwplug's position keys), so a data set or
+            sampler with ``state_dict``/``load_state_dict`` resumes from its own state, in
+            ``load_state_dict``, ``load_state`` and in data loader workers. Without it the
+            loaders keep their position too (kwplug's keys only).
 
     Raises:
         TypeError: a field has the wrong type (``0``/``1`` are not booleans).
         ValueError: ``data_seed`` outside torch's seed range.
+        ImportError: ``use_stateful_dataloader=True`` without torchdata >= 0.8 installed.
     """
 
     split_batches: bool = attrs.field(default=False, validator=strict_bool)
@@ -166,7 +183,9 @@ class DataLoaderConfiguration:
     use_seedable_sampler: bool = attrs.field(default=False, validator=strict_bool)
     data_seed: int | None = attrs.field(default=None, validator=_seed)
     non_blocking: bool = attrs.field(default=False, validator=strict_bool)
-    use_stateful_dataloader: bool = attrs.field(default=False, validator=strict_bool)
+    use_stateful_dataloader: bool = attrs.field(
+        default=False, validator=[strict_bool, _torchdata_installed]
+    )
 
 
 def _fspath(value: Any) -> Any:

@@ -308,31 +308,52 @@ def test_a_run_resumes_the_only_run_there_and_untagged_checkpoints_are_anyones(
 
 
 def per_rank_directories(root: str) -> dict[str, Any]:
-    """Run in each rank: rank 0 saves into its own folder, then every rank loads from a folder
-    of its own (as a script using one tempfile.TemporaryDirectory per process does)."""
+    """Run in each rank: save into a folder of its own and load from it (as a script using
+    one tempfile.TemporaryDirectory per process does, Accelerate's test scripts among them);
+    then load with process 0 passing an empty folder and process 1 the checkpoint's."""
+    import warnings
+
     import kwplug
+    from kwplug.errors import KwplugWarning
 
     accelerator = kwplug.Accelerator(cpu=True)
     model = accelerator.prepare(torch.nn.Linear(2, 1))
     mine = Path(root) / f"rank{accelerator.process_index}"
-    accelerator.save_state(str(mine))
-    del model
-    try:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        accelerator.save_state(str(mine))
+        with torch.no_grad():
+            model.module.weight.fill_(5.0)
         accelerator.load_state(str(mine))
+    result: dict[str, Any] = {
+        "warnings": [str(w.message) for w in seen if w.category is KwplugWarning],
+        "restored": not torch.equal(model.module.weight, torch.full((1, 2), 5.0)),
+        "files": sorted(p.name for p in mine.iterdir()) if mine.exists() else None,
+    }
+    wrong = Path(root) / "empty" if accelerator.process_index == 0 else Path(root) / "rank0"
+    wrong.mkdir(exist_ok=True)
+    try:
+        accelerator.load_state(str(wrong))
     except FileNotFoundError as exc:
-        return {"error": str(exc)}
+        result["error"] = str(exc)
     finally:
         accelerator.end_training()
-    return {"error": None}
+    return result
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_without_the_checkpoint_stops_every_rank(tmp_path: Path) -> None:
-    # Only rank 0 writes: rank 1's folder holds no checkpoint. Every rank raises, none waits
-    # in a collective for the other (the job ends well before its timeout).
+def test_per_process_folders_share_process_zeros_checkpoint(tmp_path: Path) -> None:
+    # The run saves one checkpoint, into process 0's folder (process 1 writes its files
+    # there): a process whose folder holds none loads process 0's, and is warned each time.
     from kwplug.testing import run_distributed
 
     rank0, rank1 = run_distributed(per_rank_directories, str(tmp_path), nproc=2, timeout=60)
-    assert rank1["error"].startswith(f"no complete kwplug checkpoint at '{tmp_path / 'rank1'}'")
-    assert rank0["error"].startswith("rank 1 found no complete kwplug checkpoint")
-    assert "every process must load a checkpoint" in rank0["error"]
+    assert rank0["restored"] and rank1["restored"]
+    assert rank0["warnings"] == [] and rank0["files"] != []
+    assert not rank1["files"] and len(rank1["warnings"]) == 2  # nothing written there
+    assert all(f"process 0 passed {tmp_path / 'rank0'}" in w for w in rank1["warnings"])
+    # Process 0's folder holds none: every rank raises, none waits in a collective for the
+    # other (the job ends well before its timeout).
+    assert rank0["error"].startswith(f"no complete kwplug checkpoint at '{tmp_path / 'empty'}'")
+    assert rank1["error"].startswith("rank 0 found no complete kwplug checkpoint")
+    assert "every process must load a checkpoint" in rank1["error"]

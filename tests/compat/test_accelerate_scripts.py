@@ -90,3 +90,14 @@ def test_kwplug_passes_what_accelerate_passes(runs: Runs, script: Script) -> Non
             candidate.output[-3000:],
         ]
     )
+
+
+def test_the_stateful_checks_run_where_torchdata_is_installed(runs: Runs) -> None:
+    """With torchdata (the test extra) test_distributed_data_loop's stateful checks pass under
+    both libraries: use_stateful_dataloader=True is a StatefulDataLoader on kwplug too."""
+    pytest.importorskip("torchdata")
+    script = next(s for s in RUN if s.name == "test_distributed_data_loop.py")
+    for library in ("accelerate", "kwplug"):
+        checks = runs.get(script, library).checks
+        for check in ("test_stateful_dataloader", "test_stateful_dataloader_save_state"):
+            assert checks[check].status == "pass", (library, check, checks[check])
