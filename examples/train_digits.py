@@ -115,13 +115,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--log-with",
         default=None,
         metavar="TRACKER",
-        help="log train_loss/test_accuracy per epoch: tensorboard, wandb, mlflow, comet_ml "
-        "(each needs its kwplug[...] extra), jsonl, all, or a name a tracker plugin "
+        help="log train_loss/test_accuracy per epoch: tensorboard, wandb, mlflow, comet_ml, "
+        "aim (each needs its kwplug[...] extra), jsonl, all, or a name a tracker plugin "
         "contributes; files go to --project-dir. Offline unless the environment says "
         "otherwise: wandb with WANDB_MODE=offline in <project-dir>/wandb (unless WANDB_MODE "
         "or WANDB_API_KEY is set), mlflow in the file store <project-dir>/mlruns (unless "
         "MLFLOW_TRACKING_URI is set), comet_ml as an offline archive in <project-dir>/comet "
-        "(unless COMET_API_KEY is set)",
+        "(unless COMET_API_KEY is set), aim in the repository <project-dir>/.aim",
     )
     parser.add_argument(
         "--project-dir", default="runs", help="where trackers write (<dir>/train_digits)"

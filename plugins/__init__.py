@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from kwplug._lazy import exporter
 
 if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
+    from kwplug.plugins.aim_tracker import AimTracker as AimTracker
     from kwplug.plugins.autocast import AutocastKwargs as AutocastKwargs
     from kwplug.plugins.comet_ml_tracker import CometMLTracker as CometMLTracker
     from kwplug.plugins.ddp import DDPCommunicationHookType as DDPCommunicationHookType
@@ -42,6 +43,7 @@ _EXPORTS: dict[str, str] = {
     "WandBTracker": ".wandb_tracker",
     "MLflowTracker": ".mlflow_tracker",
     "CometMLTracker": ".comet_ml_tracker",
+    "AimTracker": ".aim_tracker",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -18,20 +18,13 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from kwplug.hookspecs import hookimpl
-from kwplug.tracking import (
-    GeneralTracker,
-    TrackerFactory,
-    import_tracker_package,
-    package_installed,
-    plain_value,
-)
+from kwplug.plugins._client_tracker import ClientTracker
+from kwplug.tracking import TrackerFactory, plain_value
 
 __all__ = ["CometMLTracker", "trackers"]
 
-_EXTRA = "kwplug[comet_ml]"
 
-
-class CometMLTracker(GeneralTracker):
+class CometMLTracker(ClientTracker):
     """Logs to a Comet experiment (``comet_ml.start``), as Accelerate's ``CometMLTracker``.
 
     The project is the name given to ``init_trackers``; everything in
@@ -46,19 +39,12 @@ class CometMLTracker(GeneralTracker):
     """
 
     name: ClassVar[str] = "comet_ml"
-    requires_logging_directory: ClassVar[bool] = False
-    requirement: ClassVar[str | None] = _EXTRA
+    package: ClassVar[str] = "comet_ml"
+    requirement: ClassVar[str | None] = "kwplug[comet_ml]"
 
     def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name = run_name
-        self.init_kwargs = kwargs
+        super().__init__(run_name, **kwargs)
         self.writer: Any = None
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """Whether the ``comet_ml`` package is installed."""
-        return package_installed("comet_ml")
 
     @property
     def tracker(self) -> Any:
@@ -72,7 +58,7 @@ class CometMLTracker(GeneralTracker):
             ModuleNotFoundError: ``comet_ml`` is not installed (the message names
                 ``pip install 'kwplug[comet_ml]'``).
         """
-        comet_ml = import_tracker_package("comet_ml", self.name, _EXTRA)
+        comet_ml = self.client()
         self.writer = comet_ml.start(project_name=self.run_name, **self.init_kwargs)
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:

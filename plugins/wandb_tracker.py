@@ -17,20 +17,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from kwplug.hookspecs import hookimpl
-from kwplug.tracking import (
-    GeneralTracker,
-    TrackerFactory,
-    import_tracker_package,
-    package_installed,
-    plain_value,
-)
+from kwplug.plugins._client_tracker import ClientTracker
+from kwplug.tracking import TrackerFactory, plain_value
 
 __all__ = ["WandBTracker", "trackers"]
 
-_EXTRA = "kwplug[wandb]"
 
-
-class WandBTracker(GeneralTracker):
+class WandBTracker(ClientTracker):
     """Logs to a Weights & Biases run (``wandb.init``), as Accelerate's ``WandBTracker``.
 
     The project is the name given to ``init_trackers``; everything in
@@ -44,19 +37,12 @@ class WandBTracker(GeneralTracker):
     """
 
     name: ClassVar[str] = "wandb"
-    requires_logging_directory: ClassVar[bool] = False
-    requirement: ClassVar[str | None] = _EXTRA
+    package: ClassVar[str] = "wandb"
+    requirement: ClassVar[str | None] = "kwplug[wandb]"
 
     def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name = run_name
-        self.init_kwargs = kwargs
+        super().__init__(run_name, **kwargs)
         self.run: Any = None
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """Whether the ``wandb`` package is installed."""
-        return package_installed("wandb")
 
     @property
     def tracker(self) -> Any:
@@ -70,7 +56,7 @@ class WandBTracker(GeneralTracker):
             ModuleNotFoundError: ``wandb`` is not installed (the message names
                 ``pip install 'kwplug[wandb]'``).
         """
-        wandb = import_tracker_package("wandb", self.name, _EXTRA)
+        wandb = self.client()
         self.run = wandb.init(project=self.run_name, **self.init_kwargs)
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
@@ -108,7 +94,7 @@ class WandBTracker(GeneralTracker):
             step: the step, or ``None``.
             kwargs: passed to ``run.log``.
         """
-        wandb = import_tracker_package("wandb", self.name, _EXTRA)
+        wandb = self.client()
         images = {key: [wandb.Image(image) for image in items] for key, items in values.items()}
         self.run.log(images, step=step, **kwargs)
 
@@ -132,7 +118,7 @@ class WandBTracker(GeneralTracker):
             step: the step, or ``None``.
             kwargs: passed to ``run.log``.
         """
-        wandb = import_tracker_package("wandb", self.name, _EXTRA)
+        wandb = self.client()
         table = wandb.Table(columns=columns, data=data, dataframe=dataframe)
         self.run.log({table_name: table}, step=step, **kwargs)
 

@@ -11,6 +11,7 @@ from kwplug._plugins import _discovery as discovery
 def test_builtins_are_discovered_with_their_hooks() -> None:
     records = {r.name: r for r in discovery.discover()}
     assert {n: r.hooks for n, r in records.items() if r.builtin} == {
+        "aim": ("trackers",),
         "autocast": ("autocast",),
         "comet_ml": ("trackers",),
         "ddp": ("no_sync", "sync_in_backward", "validate_setup", "wrap_model"),

@@ -3,6 +3,7 @@ is installed (with the install command when not)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -43,11 +44,15 @@ def test_trackers_are_listed_with_their_status(capsys: pytest.CaptureFixture[str
         table = capsys.readouterr().out
         assert cli.main(["plugins", "--trackers", "--json"]) == 0
         parsed = json.loads(capsys.readouterr().out)
-    assert {"jsonl", "tensorboard", "wandb", "mlflow", "needs"} <= set(rows)
+    assert {"jsonl", "tensorboard", "wandb", "mlflow", "aim", "needs"} <= set(rows)
     assert rows["needs"]["status"] == "missing"
     assert rows["needs"]["install"] == "pip install 'kwplug-needs[client]'"
     assert "kwplug-needs" in rows["needs"]["plugin"]
     assert "'wandb' (kwplug" in rows["wandb"]["plugin"]
+    assert "'aim' (kwplug" in rows["aim"]["plugin"]
+    aim_installed = importlib.util.find_spec("aim") is not None
+    assert rows["aim"]["status"] == ("available" if aim_installed else "missing")
+    assert rows["aim"]["install"] == ("" if aim_installed else "pip install 'kwplug[aim]'")
     assert rows["jsonl"]["status"] == "available" and rows["jsonl"]["install"] == ""
     assert table.splitlines()[0].split() == ["TRACKER", "PLUGIN", "STATUS", "INSTALL"]
     assert any(line.startswith("needs ") and "missing" in line for line in table.splitlines())

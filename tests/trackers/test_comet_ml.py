@@ -6,23 +6,15 @@ from __future__ import annotations
 import json
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import kwplug
 
 pytest.importorskip("comet_ml")
-
-
-@pytest.fixture
-def offline_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("COMET_START_ONLINE", "false")
-    monkeypatch.setenv("COMET_OFFLINE_DIRECTORY", str(tmp_path))
-    monkeypatch.delenv("COMET_API_KEY", raising=False)
-    return tmp_path
 
 
 def read_archive(folder: Path) -> dict[str, Any]:
@@ -60,22 +52,12 @@ def read_archive(folder: Path) -> dict[str, Any]:
     }
 
 
-def test_offline_experiment_holds_params_and_metrics_by_step(offline_dir: Path) -> None:
+def test_offline_experiment_holds_params_and_metrics_by_step(
+    offline_dir: Path, train: Callable[..., list[float]]
+) -> None:
     accelerator = kwplug.Accelerator(cpu=True, log_with="comet_ml")
     accelerator.init_trackers("kwplug-test", config={"lr": 0.1, "optim": {"name": "sgd"}})
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    x, y = torch.randn(16, 4), torch.randn(16, 1)
-    losses = []
-    for step in range(1, 4):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        accelerator.log({"loss": loss.detach(), "note": f"step {step}"}, step=step)
-        losses.append(loss.item())
+    losses = train(accelerator, more=lambda step: {"note": f"step {step}"})
     accelerator.log({"eval": {"acc": 0.5}}, step=3)
     accelerator.end_training()
 

@@ -1,5 +1,6 @@
-"""``examples/train_digits.py --log-with wandb|mlflow`` offline, with the example's defaults
-(no tracking variables set): the curves are read back through each tracker's reader."""
+"""``examples/train_digits.py --log-with wandb|mlflow|comet_ml|aim`` offline, with the
+example's defaults (no tracking variables set): the curves are read back through each
+tracker's reader."""
 
 from __future__ import annotations
 
@@ -66,3 +67,15 @@ def test_example_logs_to_an_offline_comet_archive(tmp_path: Path) -> None:
     assert logged["project"] == "train_digits" and logged["params"]["lr"] == 0.01
     losses = logged["metrics"]["train_loss"]
     assert [s for s, _ in losses] == [1, 2] and losses[1][1] < losses[0][1]
+
+
+def test_example_logs_to_a_local_aim_repository(tmp_path: Path) -> None:
+    pytest.importorskip("aim")
+    from aim_records import read_runs
+
+    run_example("aim", tmp_path)
+    (logged,) = read_runs(tmp_path)
+    assert logged["name"] == "train_digits" and logged["hparams"]["epochs"] == 2
+    steps, losses = logged["metrics"]["train_loss"]
+    assert steps == [1, 2] and losses[1] < losses[0]
+    assert logged["metrics"]["test_accuracy"][0] == [1, 2]

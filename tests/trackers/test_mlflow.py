@@ -4,10 +4,10 @@ metrics by step, tags), the environment variables, dropped values, the missing p
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 import kwplug
 from kwplug.errors import TrackerConfigWarning
@@ -33,7 +33,7 @@ def client(uri: str) -> object:
     return MlflowClient(tracking_uri=uri)
 
 
-def test_params_metrics_by_step_and_tags(store: str) -> None:
+def test_params_metrics_by_step_and_tags(store: str, train: Callable[..., list[float]]) -> None:
     accelerator = kwplug.Accelerator(cpu=True, log_with="mlflow")
     accelerator.init_trackers(
         "kwplug-test",
@@ -41,19 +41,7 @@ def test_params_metrics_by_step_and_tags(store: str) -> None:
         init_kwargs={"mlflow": {"tags": {"team": "k"}, "run_name": "first"}},
     )
     active = accelerator.get_tracker("mlflow", unwrap=True)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    x, y = torch.randn(16, 4), torch.randn(16, 1)
-    losses = []
-    for step in range(1, 4):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        accelerator.log({"loss": loss.detach(), "epoch": step}, step=step)
-        losses.append(loss.item())
+    losses = train(accelerator, more=lambda step: {"epoch": step})
     accelerator.end_training()
 
     (run,) = mlflow.search_runs(experiment_names=["kwplug-test"], output_format="list")

@@ -4,11 +4,10 @@ the missing-package message, and a run that matches Accelerate's."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from wandb_records import read_run, run_folder
 
 import kwplug
@@ -27,32 +26,9 @@ def _fresh_wandb() -> Iterator[None]:
     wandb.teardown()
 
 
-@pytest.fixture
-def wandb_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    return tmp_path
-
-
-def train(accelerator: kwplug.Accelerator, steps: int = 3) -> list[float]:
-    """A few real training steps of a linear model; the losses logged at steps 1..steps."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    x, y = torch.randn(16, 4), torch.randn(16, 1)
-    losses = []
-    for step in range(1, steps + 1):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        accelerator.log({"loss": loss.detach(), "lr": 0.1}, step=step)
-        losses.append(loss.item())
-    return losses
-
-
-def test_offline_run_holds_config_and_metrics_by_step(wandb_dir: Path) -> None:
+def test_offline_run_holds_config_and_metrics_by_step(
+    offline_dir: Path, train: Callable[..., list[float]]
+) -> None:
     accelerator = kwplug.Accelerator(cpu=True, log_with="wandb")
     config = {"lr": 0.1, "optim": {"name": "sgd"}, "layers": [4, 1]}
     accelerator.init_trackers(
@@ -60,10 +36,10 @@ def test_offline_run_holds_config_and_metrics_by_step(wandb_dir: Path) -> None:
     )
     run = accelerator.get_tracker("wandb", unwrap=True)
     assert run.project == "kwplug-test" and run.name == "r"
-    losses = train(accelerator)
+    losses = train(accelerator, more=lambda step: {"lr": 0.1})
     accelerator.end_training()
 
-    logged = read_run(run_folder(wandb_dir))
+    logged = read_run(run_folder(offline_dir))
     assert logged["project"] == "kwplug-test" and logged["tags"] == ["t1"]
     values = {
         k: v.get("value", v) if isinstance(v, dict) else v for k, v in logged["config"].items()
@@ -75,7 +51,7 @@ def test_offline_run_holds_config_and_metrics_by_step(wandb_dir: Path) -> None:
     assert {row["lr"] for row in history} == {0.1}
 
 
-def test_log_images_and_table(wandb_dir: Path) -> None:
+def test_log_images_and_table(offline_dir: Path) -> None:
     np = pytest.importorskip("numpy")
     accelerator = kwplug.Accelerator(cpu=True, log_with="wandb")
     accelerator.init_trackers("kwplug-test")
@@ -84,10 +60,10 @@ def test_log_images_and_table(wandb_dir: Path) -> None:
     tracker.log_images({"samples": [np.zeros((8, 8, 3), dtype=np.uint8)]}, step=0)
     tracker.log_table("preds", columns=["x", "y"], data=[[1, 2]], step=1)
     accelerator.end_training()
-    history = read_run(run_folder(wandb_dir))["history"]
+    history = read_run(run_folder(offline_dir))["history"]
     assert history[0]["samples"]["_type"] == "images/separated"
     assert history[1]["preds"]["_type"] == "table-file"
-    assert list((run_folder(wandb_dir) / "files" / "media" / "images").glob("samples_0_*.png"))
+    assert list((run_folder(offline_dir) / "files" / "media" / "images").glob("samples_0_*.png"))
 
 
 def test_missing_wandb_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,7 +73,7 @@ def test_missing_wandb_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
         accelerator.init_trackers("p")
 
 
-def test_all_includes_wandb_when_installed(tmp_path: Path, wandb_dir: Path) -> None:
+def test_all_includes_wandb_when_installed(tmp_path: Path, offline_dir: Path) -> None:
     accelerator = kwplug.Accelerator(cpu=True, log_with="all", project_dir=tmp_path)
     assert "wandb" in accelerator._trackers.selected
     assert WandBTracker.is_available()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from kwplug_compress._tiles import run_tiled
 from kwplug_compress.state import BucketIndex, Int8State, Layout, TopKState
 
 if TYPE_CHECKING:
@@ -68,12 +69,8 @@ def topk_bytes(numel: int, ratio: float) -> int:
     return 8 * topk_count(numel, ratio)
 
 
-def _layout(bucket: GradBucket) -> Layout:
-    return tuple(tuple(p.shape) for p in bucket.parameters())
-
-
 def _corrected(
-    buffer: torch.Tensor, index: BucketIndex, layout: Layout, state: Int8State | TopKState
+    buffer: torch.Tensor, bucket: GradBucket, state: Int8State | TopKState
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     # The float32 gradient plus this bucket's residual (error feedback), and the residual to
     # overwrite (or None). With error feedback the residual itself becomes the corrected
@@ -82,7 +79,10 @@ def _corrected(
     flat = buffer.reshape(-1)
     if not state.error_feedback:
         return flat.to(torch.float32), None
-    residual = state.memory.residual(index, layout, flat)
+    parameters = list(bucket.parameters())
+    layout: Layout = tuple(tuple(p.shape) for p in parameters)
+    members = state.memory.members(bucket.index(), parameters)
+    residual = state.memory.residual(bucket.index(), layout, flat, members)
     return residual.add_(flat), residual
 
 
@@ -227,11 +227,14 @@ def int8_hook(state: Int8State, bucket: GradBucket) -> torch.futures.Future[torc
     Raises:
         RuntimeError: this process is not a member of ``state.process_group``.
     """
+    tiled = run_tiled(int8_hook, state, bucket)  # a resumed run's first step
+    if tiled is not None:
+        return tiled
     buffer = bucket.buffer()
     world_size = dist.get_world_size(state.process_group)
     numel, chunk_size = buffer.numel(), state.chunk_size
     index, device = bucket.index(), buffer.device
-    corrected, residual = _corrected(buffer, index, _layout(bucket), state)
+    corrected, residual = _corrected(buffer, bucket, state)
     width = int8_bytes(numel, chunk_size)
     payload = _cached(state, index, "payload", (width,), torch.int8, device)
     gathered = _cached(state, index, "gathered", (world_size * width,), torch.int8, device)
@@ -332,13 +335,16 @@ def topk_hook(state: TopKState, bucket: GradBucket) -> torch.futures.Future[torc
         RuntimeError: the bucket has 2**31 elements or more (indices travel as int32), or
             this process is not a member of ``state.process_group``.
     """
+    tiled = run_tiled(topk_hook, state, bucket)  # a resumed run's first step
+    if tiled is not None:
+        return tiled
     buffer = bucket.buffer()
     world_size = dist.get_world_size(state.process_group)
     numel = buffer.numel()
     if numel > torch.iinfo(torch.int32).max:
         raise RuntimeError(f"topk: a bucket of {numel} elements exceeds int32 indices")
     index = bucket.index()
-    corrected, residual = _corrected(buffer, index, _layout(bucket), state)
+    corrected, residual = _corrected(buffer, bucket, state)
     k = topk_count(numel, state.ratio)
     device = buffer.device
     indices = topk_select(

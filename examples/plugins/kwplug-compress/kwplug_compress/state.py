@@ -5,8 +5,9 @@ by calling the :class:`kwplug.CommHook`'s ``make_state(process_group, comm_state
 The factories here check every option first, so a misspelt key or a bad value fails before
 DDP is built and before any collective runs.
 
-Checkpoints save a state's residuals through its ``state_dict()``/``load_state_dict()``;
-resuming on another number of processes, the records' ``resize`` rule,
+Checkpoints save a state's residuals through its ``state_dict()``/``load_state_dict()``, with
+the parameters of each residual's bucket, so that a resumed run runs its first step on the
+saved buckets; resuming on another number of processes, the records' ``resize`` rule,
 :func:`resize_residuals`, says what each new process starts from.
 """
 
@@ -26,7 +27,9 @@ __all__ = [
     "BucketIndex",
     "Int8State",
     "Layout",
+    "Origin",
     "ResidualMemory",
+    "Tile",
     "TopKState",
     "make_int8_state",
     "make_topk_state",
@@ -56,41 +59,103 @@ INT8_OPTIONS: Mapping[str, Any] = {"chunk_size": 512, "error_feedback": False}
 TOPK_OPTIONS: Mapping[str, Any] = {"ratio": 0.01, "error_feedback": True}
 
 
+#: Where a parameter was first seen by a state, ``(bucket index, position in the bucket)``:
+#: in DDP's initial buckets, which a new DDP builds the same way, so it names the same
+#: parameter in the process that saved a checkpoint and in the one that resumes from it.
+Origin = tuple[BucketIndex, int]
+
+#: A tile of a bucket: a saved bucket's index and the positions, in the bucket being run, of
+#: the saved bucket's parameters, in the saved bucket's order.
+Tile = tuple[BucketIndex, tuple[int, ...]]
+
+
 class ResidualMemory:
-    """Error-feedback memory: one float32 residual per DDP bucket, keyed by bucket index.
+    """Error-feedback memory: one float32 residual per DDP bucket, keyed by bucket index, and
+    the parameters of each bucket (by :data:`Origin`).
 
     A residual is only meaningful for the parameter layout it was accumulated for. DDP rebuilds
     its buckets after the first step (in the order gradients became ready), so each residual is
     stored with its bucket's :data:`Layout` and a bucket whose layout changed starts again
-    from zeros. Residuals restored by :meth:`load_state_dict` wait until a bucket with their
-    layout appears: a resumed run's first step still uses DDP's initial layout. A record
-    giving ``state_buckets=residual_buckets`` would have kwplug hand the hooks canonical
-    buckets instead (the same index and layout whatever DDP's), at the price of another
-    element order inside the blocks of top-k's selection.
+    from zeros. A checkpoint also saves which parameters each bucket held: on a resumed run's
+    first step, still in DDP's initial buckets, :meth:`tiles` cuts each bucket into the saved
+    ones, so that the hooks compute what the uninterrupted run did, bit for bit.
     """
 
     def __init__(self) -> None:
         self._live: dict[BucketIndex, tuple[Layout, torch.Tensor]] = {}
-        self._restored: dict[BucketIndex, tuple[Layout, torch.Tensor]] = {}
+        self._restored: dict[BucketIndex, tuple[Layout, torch.Tensor]] = {}  # not used yet
+        # id(parameter) -> (the parameter, kept so that its id is not reused; its origin)
+        self._origins: dict[int, tuple[torch.Tensor, Origin]] = {}
+        self._buckets: dict[BucketIndex, tuple[Origin, ...]] = {}
+        self._saved_buckets: dict[BucketIndex, tuple[Origin, ...]] = {}
+        self._decided: set[BucketIndex] = set()
 
-    def residual(self, index: BucketIndex, layout: Layout, like: torch.Tensor) -> torch.Tensor:
+    def members(self, index: BucketIndex, parameters: list[torch.Tensor]) -> tuple[Origin, ...]:
+        """Record bucket ``index``'s parameters; their :data:`Origin`, in bucket order."""
+        origins = []
+        for position, parameter in enumerate(parameters):
+            known = self._origins.get(id(parameter))
+            if known is None:
+                known = self._origins[id(parameter)] = (parameter, (index, position))
+            origins.append(known[1])
+        members = tuple(origins)
+        if self._buckets.get(index) != members:  # a new layout (DDP rebuilt its buckets)
+            mine = set(members)
+            for other in [i for i, held in self._buckets.items() if mine.intersection(held)]:
+                del self._buckets[other]
+            self._buckets[index] = members
+        return members
+
+    def tiles(self, index: BucketIndex, members: tuple[Origin, ...]) -> list[Tile] | None:
+        """How to cut bucket ``index`` (parameters ``members``) into the saved buckets.
+
+        Returns:
+            One :data:`Tile` per saved bucket, by saved index, when the checkpoint's buckets
+            hold exactly this bucket's parameters in another grouping or order, on the first
+            step after :meth:`load_state_dict`; else ``None``: run the bucket whole.
+        """
+        if not self._saved_buckets or index in self._decided:
+            return None
+        self._decided.add(index)  # DDP's first buckets are cut on their first step only
+        if self._saved_buckets.get(index) == members:
+            return None
+        position = {origin: n for n, origin in enumerate(members)}
+        tiles = [
+            (saved, tuple(position[o] for o in origins))
+            for saved, origins in sorted(self._saved_buckets.items(), key=_order)
+            if origins and all(o in position for o in origins)
+        ]
+        covered = sorted(n for _, positions in tiles for n in positions)
+        return tiles if tiles and covered == list(range(len(members))) else None
+
+    def residual(
+        self,
+        index: BucketIndex,
+        layout: Layout,
+        like: torch.Tensor,
+        members: tuple[Origin, ...] | None = None,
+    ) -> torch.Tensor:
         """The residual of bucket ``index`` (a float32 tensor to update in place).
 
         Args:
             index: the bucket's ``index()``.
             layout: the bucket's :data:`Layout`.
             like: the bucket buffer; a new residual has its number of elements and device.
+            members: the bucket's parameters (:meth:`members`), or ``None`` (not known).
 
         Returns:
             A 1-D ``torch.float32`` tensor of ``like.numel()`` elements on ``like.device``:
-            the live residual when its layout matches, else a restored one with this layout,
-            else zeros.
+            the live residual when its layout matches, else a restored one with this layout
+            (and these parameters, when the checkpoint and ``members`` tell), else zeros.
         """
         entry = self._live.get(index)
         if entry is not None and entry[0] == layout:
             return entry[1]
         restored = self._restored.get(index)
-        if restored is not None and restored[0] == layout:
+        saved = self._saved_buckets.get(index)
+        # Two orders of parameters can have the same shapes: compare them when both are known.
+        same = saved is None or members is None or saved == members
+        if restored is not None and restored[0] == layout and same:
             del self._restored[index]
             tensor = restored[1].to(device=like.device, dtype=torch.float32)
         else:
@@ -99,26 +164,32 @@ class ResidualMemory:
         return tensor
 
     def state_dict(self) -> dict[str, Any]:
-        """A picklable copy of every residual (CPU tensors), by bucket index.
+        """A copy of every residual (CPU tensors) and of the buckets' parameters, by index.
 
         Returns:
-            ``{"residuals": {index: {"layout": [[shape...], ...], "residual": Tensor}}}``;
-            restored residuals not used yet are included.
+            ``{"residuals": {index: {"layout": [[shape...], ...], "residual": Tensor}},
+            "buckets": {index: [[bucket, position], ...]}}``; restored residuals not used yet
+            are included.
         """
         entries = {**self._restored, **self._live}
         return {
             "residuals": {
                 index: {"layout": [list(shape) for shape in layout], "residual": tensor.cpu()}
                 for index, (layout, tensor) in entries.items()
-            }
+            },
+            "buckets": {
+                index: [list(o) for o in members]
+                for index, members in (self._buckets or self._saved_buckets).items()
+            },
         }
 
     def keys(self) -> list[BucketIndex]:
-        """The bucket indices holding a residual (live or restored and not used yet)."""
+        """The bucket indices holding a residual (live, or restored and not used yet)."""
         return list({**self._restored, **self._live})
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Replace every residual with the ones :meth:`state_dict` returned.
+        """Replace every residual with the ones :meth:`state_dict` returned (``"buckets"``
+        may be missing: a checkpoint of an earlier version, resumed without tiling).
 
         Raises:
             KeyError: ``state`` lacks ``"residuals"`` or an entry lacks a key.
@@ -131,6 +202,16 @@ class ResidualMemory:
             )
             for index, entry in state["residuals"].items()
         }
+        self._buckets.clear()
+        self._decided.clear()
+        self._saved_buckets = {
+            _bucket_index(index): tuple((_bucket_index(b), int(n)) for b, n in origins)
+            for index, origins in state.get("buckets", {}).items()
+        }
+
+
+def _order(item: tuple[BucketIndex, Any]) -> tuple[int, Any]:
+    return (0, item[0]) if isinstance(item[0], int) else (1, item[0])  # DDP's order first
 
 
 class _CheckpointedResiduals:
@@ -215,8 +296,8 @@ def resize_residuals(
     residual is what the averaged gradient owes. Every new process starts from the saved rank
     0's residuals: the mean of the new residuals is then rank 0's, which is exactly the owed
     amount when growing from one process and rank 0's share of it, an estimate of the mean,
-    when shrinking (the other ranks' residuals are not read). Layouts are kept, so each
-    residual still waits for its bucket's layout.
+    when shrinking (the other ranks' residuals are not read). Layouts and the buckets'
+    parameters are kept (they do not depend on the number of processes).
 
     Args:
         saved: what :meth:`ResidualMemory.state_dict` returned on the saved rank 0.
@@ -230,7 +311,7 @@ def resize_residuals(
         KeyError: ``saved`` lacks ``"residuals"``.
     """
     del old_world_size, new_world_size  # the same rule whatever the sizes
-    return {"residuals": dict(saved["residuals"])}
+    return {"residuals": dict(saved["residuals"]), "buckets": dict(saved.get("buckets", {}))}
 
 
 def _schema(hook: str, defaults: Mapping[str, Any], value: Validator) -> OptionSchema:
