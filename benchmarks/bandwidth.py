@@ -20,6 +20,9 @@ to collectives per step, the bytes the loopback carried per step (both ranks; co
 and the ratio of the step time to max(wire floor, compute floor), the compute floor being the
 same model's single-process step.
 
+``--timeline`` instead runs :mod:`benchmarks.hook_timeline` for ``--configs``: each collective
+of a step (bytes, start, time to completion), the collectives per step and their payload.
+
 ``--time-to-accuracy`` instead trains the digits MLP with kwplug per hook at the given rate
 until 95% held-out accuracy (:mod:`benchmarks.bandwidth_accuracy`).
 """
@@ -257,6 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--width", type=int, default=128, help="time-to-accuracy: the MLP's hidden width"
     )
+    parser.add_argument(
+        "--timeline", action="store_true", help="per-collective timeline of --configs (kwplug)"
+    )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per torchrun launch")
     parser.add_argument("--json", metavar="PATH", default=None)
     args = parser.parse_args(argv)
@@ -274,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 accelerate=accelerate_available() and not args.no_accelerate,
                 timeout=args.timeout_s,
             )  # fmt: skip
+    if args.timeline:
+        return _timeline(args)
     accel = accelerate_available() and not args.no_accelerate
     if args.configs:
         configs = args.configs.split(",")
@@ -298,6 +306,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json({"rate": args.rate, "bits_per_s": bits_per_s, "rows": rows, "raw": data},
                    args.json)  # fmt: skip
     return 0 if any("ms_per_step" in r for r in rows) else 1
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    # benchmarks.hook_timeline under torchrun in the namespace: each collective of one step.
+    configs = args.configs or "kwplug:power_sgd,kwplug:batched_power_sgd"
+    worker_args = ["--configs", configs, "--steps", str(args.steps or 8)]
+    rate = None if parse_rate(args.rate) is None else args.rate
+    with Namespace(rate) as ns:
+        data, error = launch(ns, "benchmarks.hook_timeline", worker_args, args.timeout_s)
+    if data is None:
+        print(f"timeline failed: {error}")
+        return 1
+    for config, row in data.items():
+        print(
+            f"{config} at {args.rate}: {row['median_step_ms']:.1f} ms/step, "
+            f"{row['collectives_per_step']:g} collectives, "
+            f"{row['payload_bytes_per_step']:,.0f} B/rank/step; the median step:"
+        )
+        for c in row["example_step"]["collectives"]:
+            print(
+                f"  {c['op']:10s} {c['bytes']:>9,} B  at {c['at_ms']:6.1f} ms  "
+                f"took {c['took_ms']:5.1f} ms"
+            )
+    if args.json:
+        write_json({"rate": args.rate, "timeline": data}, args.json)
+    return 0
 
 
 if __name__ == "__main__":

@@ -236,7 +236,7 @@ def merge_comm_hooks(
                 f"got {type(record).__name__}"
             )
         if record.source == "unknown":
-            record = attrs.evolve(record, source=plugin_name)
+            record = _sourced(record, plugin_name)
         return record, record.source
 
     return merge(
@@ -248,3 +248,23 @@ def merge_comm_hooks(
         remedy="block one of the plugins or rename the hook",
         start={name: (record, record.source) for name, record in _REGISTRY.items()},
     )
+
+
+# Records given a source by merge_comm_hooks, by (record, plugin name): a CommHook is frozen and
+# compared by value, so every Accelerator of a process can share one instead of re-running the
+# validators of attrs.evolve for each plugin's records at each construction.
+_SOURCED: dict[tuple[CommHook, str], CommHook] = {}
+_MAX_SOURCED = 64
+
+
+def _sourced(record: CommHook, source: str) -> CommHook:
+    try:
+        key = (record, source)
+        cached = _SOURCED.get(key)
+    except TypeError:  # a field holds an unhashable callable: nothing to share
+        return attrs.evolve(record, source=source)
+    if cached is None:
+        if len(_SOURCED) >= _MAX_SOURCED:
+            _SOURCED.clear()
+        cached = _SOURCED[key] = attrs.evolve(record, source=source)
+    return cached

@@ -95,6 +95,8 @@ def _check_comm_hook(instance: Any, attribute: attrs.Attribute[Any], value: Any)
 
 
 def _check_comm_wrapper(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, str) and value in _WRAPPER_VALUES:
+        return  # every construction and hook call re-validates: no message to build
     members = "/".join(value.upper() for value in _WRAPPER_VALUES)
     wanted = f"DDPCommunicationHookType.{members} or one of {_quoted(_WRAPPER_VALUES)}"
     if not isinstance(value, str):

@@ -40,7 +40,9 @@ def find_conflicts(pm: KwplugPluginManager, device_type: str) -> dict[str, str]:
     """Hook name -> the plugins (described) that claim it for ``device_type``, for each
     one-answer hook claimed by two or more third-party defaults of ``pm`` (empty: no
     conflict)."""
-    found = {}
+    found: dict[str, str] = {}
+    if len(pm._third_party) < 2:  # a conflict takes two third-party defaults
+        return found
     for hook_name, policy in HOOK_POLICY.items():
         if policy != ONE_ANSWER:
             continue

@@ -328,7 +328,7 @@ class KwplugPluginManager(pluggy.PluginManager):
             trace_logger.info("hook %s raised %r", hook, outcome.exception)
             return
         recording = self._recordings[-1] if self._recordings else None
-        if recording is None or recording.impls is not impls:  # a plain pm.hook.<name>() call
+        if recording is None or not recording.handed(impls):  # a plain pm.hook.<name>() call
             trace_logger.info("hook %s returned %r", hook, outcome.get_result())
             return
         for name, answer in recording.answers:

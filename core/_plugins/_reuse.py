@@ -25,13 +25,12 @@ a copy equals a fresh build.
 from __future__ import annotations
 
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import attrs
 import pluggy
 
-from kwplug._plugins._calls import copy_impl
 from kwplug._plugins._manager import KwplugPluginManager
 from kwplug._plugins._records import PluginRecord
 from kwplug.handler import KwargsHandler
@@ -55,12 +54,27 @@ class _Slot:
     source: Any
 
 
+# (the impl's slots other than plugin and function as (setter, value) pairs, the function
+# to bind to the new plugin object)
+_Rebind = tuple[tuple[tuple[Callable[[pluggy.HookImpl, Any], None], Any], ...], Callable[..., Any]]
+
+# HookImpl's slot descriptors: setting a slot through its descriptor is several times faster
+# than setattr by name or copy.copy, and every Accelerator re-binds each handler's impls.
+_SLOTS: dict[str, Any] = {
+    name: vars(pluggy.HookImpl)[name] for name in getattr(pluggy.HookImpl, "__slots__", ())
+}
+_REBINDABLE = {"plugin", "function"} <= set(_SLOTS)
+
+
 @attrs.frozen
 class _Template:
     records: tuple[PluginRecord, ...]
     slots: tuple[_Slot, ...]
-    # hook name, its spec, and its implementations in pluggy's order as (slot index, impl)
-    hooks: tuple[tuple[str, Any, tuple[tuple[int, pluggy.HookImpl], ...]], ...]
+    # hook name, its spec, and its implementations in pluggy's order as (slot index, impl,
+    # rebind): rebind is None for a shared plugin's impl (used as it is), else the impl's
+    # constant slots as (descriptor setter, value) pairs and the method's function, to re-bind
+    # to the slot's new object
+    hooks: tuple[tuple[str, Any, tuple[tuple[int, pluggy.HookImpl, _Rebind | None], ...]], ...]
 
 
 _templates: dict[tuple[Any, ...], _Template] = {}
@@ -101,6 +115,8 @@ def _snapshot(
     pm: KwplugPluginManager, handlers: Sequence[KwargsHandler], records: tuple[PluginRecord, ...]
 ) -> _Template | None:
     # A just-built manager as a template, or None when it cannot be copied faithfully.
+    if not _REBINDABLE:  # a pluggy whose HookImpl has no plugin/function slots
+        return None
     user = {id(h): index for index, h in enumerate(handlers)}
     slots: list[_Slot] = []
     index_of: dict[int, int] = {}
@@ -125,7 +141,7 @@ def _snapshot(
             bound = getattr(impl.function, "__self__", None) is impl.plugin
             if slot.kind != _SHARED and not (isinstance(impl.function, types.MethodType) and bound):
                 return None  # not a plain method of the instance: cannot be re-bound
-            impls.append((index_of[id(impl.plugin)], impl))
+            impls.append((index_of[id(impl.plugin)], impl, _rebind(impl, slot.kind)))
         hooks.append((name, caller.spec, tuple(impls)))
     return _Template(records, tuple(slots), tuple(hooks))
 
@@ -145,14 +161,36 @@ def _fill(template: _Template, handlers: Sequence[KwargsHandler]) -> KwplugPlugi
         pm._descriptions[slot.name] = slot.description
         if slot.third_party:
             pm._third_party.add(slot.name)
+    new, method = object.__new__, types.MethodType
+    set_plugin, set_function = _SLOTS["plugin"].__set__, _SLOTS["function"].__set__
+    hookexec = pm._hookexec
     for name, spec, impls in template.hooks:
-        caller = pluggy.HookCaller(name, pm._hookexec)
+        caller = pluggy.HookCaller(name, hookexec)
         caller.spec = spec
-        for index, impl in impls:
+        out = caller._hookimpls
+        for index, impl, rebind in impls:
+            if rebind is None:
+                out.append(impl)
+                continue
+            pairs, function = rebind
             obj = objects[index]
-            if template.slots[index].kind != _SHARED:
-                method = cast(types.MethodType, impl.function)
-                impl = copy_impl(impl, obj, types.MethodType(method.__func__, obj))
-            caller._hookimpls.append(impl)
+            twin = new(pluggy.HookImpl)
+            for setter, value in pairs:
+                setter(twin, value)
+            set_plugin(twin, obj)
+            set_function(twin, method(function, obj))
+            out.append(twin)
         setattr(pm.hook, name, caller)
     return pm
+
+
+def _rebind(impl: pluggy.HookImpl, kind: str) -> _Rebind | None:
+    # How _fill re-binds ``impl`` to a new object of its slot (None: a shared plugin's impl).
+    if kind == _SHARED:
+        return None
+    pairs = tuple(
+        (descriptor.__set__, descriptor.__get__(impl))
+        for name, descriptor in _SLOTS.items()
+        if name not in ("plugin", "function")
+    )
+    return pairs, cast(types.MethodType, impl.function).__func__

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -237,3 +238,32 @@ def test_time_to_accuracy_table_compares_steps_with_plain() -> None:
     assert "| raw:power_sgd | failed: SIGABRT |" in text
     assert "| kwplug | kwplug:topk | 1.00 | no |" in text  # fastest, but 1.3x the steps
     assert "| raw | raw:no | 2.00 | yes |" in text
+
+
+def test_timeline_records_each_collective(tmp_path: Path) -> None:
+    # benchmarks.hook_timeline's wrapper, in a one-rank gloo group: an async all_reduce and an
+    # all_gather_single are each recorded once with their payload bytes and a completion time.
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.hook_timeline import traced_collectives
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        events: list[dict[str, Any]] = []
+        with traced_collectives(events):
+            dist.all_reduce(torch.ones(10), async_op=True).wait()
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(torch.empty(6), torch.ones(6))
+        dist.all_reduce(torch.ones(3))  # after the block: not recorded
+        deadline = time.monotonic() + 10  # a future's callbacks may run just after wait()
+        while any("done" not in e for e in events) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(e["op"], e["bytes"]) for e in events] == [
+            ("all_reduce", 40),
+            (gather.__name__, 24),
+        ]
+        assert all(e["done"] >= e["start"] for e in events)
+    finally:
+        dist.destroy_process_group()

@@ -67,7 +67,22 @@ def comm_hooks() -> Mapping[str, kwplug.CommHook]:
         ``state_dict``/``load_state_dict``); kwplug records this plugin's entry point as their
         source.
     """
-    # Looked up when called, so that a caller replacing a factory here is seen by kwplug.
+    # Looked up when called, so that a caller replacing a factory here is seen by kwplug; the
+    # (frozen) records are built again only then, not for every Accelerator.
+    parts: tuple[object, ...] = (int8_hook, make_int8_state, check_int8_options, RESIZE_NOTE)
+    parts += (topk_hook, make_topk_state, check_topk_options, resize_residuals)
+    records = _RECORDS.get(parts)
+    if records is None:
+        _RECORDS.clear()
+        records = _RECORDS[parts] = _records()
+    return dict(records)
+
+
+# The records by name, keyed on the module-level objects they were built from.
+_RECORDS: dict[tuple[object, ...], dict[str, kwplug.CommHook]] = {}
+
+
+def _records() -> dict[str, kwplug.CommHook]:
     return {
         "int8": kwplug.CommHook(
             "int8",
