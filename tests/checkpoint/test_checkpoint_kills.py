@@ -28,4 +28,6 @@ def test_kill_loop_always_leaves_the_newest_checkpoint(tmp_path: Path) -> None:
     assert figures["step_kills"] == 14
     assert figures["survived"] == 215
     assert figures["interrupted_saves"] >= 20  # many kills did land in the middle of a save
-    assert figures["last_counter"] > 20  # and saves made progress between them
+    # and saves made progress between them (an idle machine reaches ~30; a 2-core machine at
+    # load 7 reached 9, the guarantees above held all the same)
+    assert figures["last_counter"] > 5

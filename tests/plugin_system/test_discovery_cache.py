@@ -71,24 +71,25 @@ def site(
     age(quiet)
     monkeypatch.chdir(quiet)
     # Likewise any sys.path folder another test touched in the last seconds (a key younger
-    # than the racy window is never written), and the repository's own folders: another
-    # xdist worker writes there at any moment (coverage data, scratch files), which would
-    # change the key between a test's write and its read. These tests import nothing new
-    # from them.
+    # than the racy window is never written), and the repository's root and test folders:
+    # another xdist worker writes there at any moment (coverage data, scratch files), which
+    # would change the key between a test's write and its read. These tests import nothing new
+    # from them. (A virtual environment inside the checkout, as CI's, stays: it holds kwplug's
+    # own entry points.)
     recent = time.time() - 10
-    repo = str(request.config.rootpath)
+    root = request.config.rootpath
+    busy = {str(root), *(str(p) for p in root.glob("tests/**") if p.is_dir())}
+    saved = list(sys.path)
     kept = [
         p
         for p in sys.path
-        if p
-        and not _touched_since(p, recent)
-        and os.path.commonpath([repo, os.path.abspath(p)]) != repo
+        if p and not _touched_since(p, recent) and os.path.abspath(p) not in busy
     ]
     monkeypatch.setattr(sys, "path", kept)
     sys.path.insert(0, str(folder))
     modules = set(sys.modules)
     yield folder
-    sys.path.remove(str(folder))
+    sys.path[:] = saved  # before the refresh below: discovery must see every folder again
     for name in set(sys.modules) - modules:
         if name.startswith("cacheplug"):
             del sys.modules[name]

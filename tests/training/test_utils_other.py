@@ -29,6 +29,8 @@ AVAILABILITY = [
 @pytest.mark.parametrize("name", AVAILABILITY)
 def test_availability_answers_as_accelerate(name: str) -> None:
     accelerate_utils = pytest.importorskip("accelerate.utils")
+    if not hasattr(accelerate_utils, name):  # dropped in Accelerate 1.16; kwplug keeps it
+        pytest.skip(f"this Accelerate has no {name}")
     assert getattr(ku, name)() is bool(getattr(accelerate_utils, name)())
 
 
