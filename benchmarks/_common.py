@@ -59,6 +59,24 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def make_accelerator(impl: str, **kwargs: Any) -> Any:
+    """A CPU ``Accelerator(cpu=True, **kwargs)`` of ``impl`` (``"kwplug"`` or ``"accelerate"``;
+    Accelerate's singletons are reset first, and its thread count set back to one)."""
+    if impl == "kwplug":
+        import kwplug
+
+        return kwplug.Accelerator(cpu=True, **kwargs)
+    import accelerate
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True, **kwargs)
+    torch.set_num_threads(1)
+    return accelerator
+
+
 # -- timing -----------------------------------------------------------------------------------
 
 

@@ -23,7 +23,16 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import Result, Target, block, interleave, run_main, timed, timing_row
+from benchmarks._common import (
+    Result,
+    Target,
+    block,
+    interleave,
+    make_accelerator,
+    run_main,
+    timed,
+    timing_row,
+)
 
 DESCRIPTION = "Cost of one `with accelerator.autocast():` against torch.autocast / nullcontext."
 
@@ -88,22 +97,6 @@ def empty(n: int) -> None:
         pass
 
 
-def make_accelerator(impl: str, mixed: str) -> Any:
-    """A CPU Accelerator of ``impl`` (Accelerate's singletons reset first)."""
-    if impl == "kwplug":
-        import kwplug
-
-        return kwplug.Accelerator(mixed_precision=mixed, cpu=True)
-    import accelerate
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    accelerator = accelerate.Accelerator(mixed_precision=mixed, cpu=True)
-    torch.set_num_threads(1)
-    return accelerator
-
-
 def run(quick: bool, with_accelerate: bool) -> Result:
     """Measure bf16 and off; see the module docstring."""
     frameworks = ["kwplug"] + (["accelerate"] if with_accelerate else [])
@@ -114,7 +107,7 @@ def run(quick: bool, with_accelerate: bool) -> Result:
     for case, mixed, raw in (("bf16", "bf16", raw_bf16), ("off", "no", raw_off)):
         fns: dict[str, Callable[[int], None]] = {"raw": raw}
         for impl in frameworks:
-            fns[impl] = via(make_accelerator(impl, mixed))
+            fns[impl] = via(make_accelerator(impl, mixed_precision=mixed))
         blocks = {impl: block(fn, n) for impl, fn in fns.items()}
         samples = interleave(blocks, reps=reps, warmup=1)
         samples_by_case[case] = samples
@@ -122,7 +115,7 @@ def run(quick: bool, with_accelerate: bool) -> Result:
         result.rows.append(timing_row(f"autocast entry, {case}", samples, note=f"raw = {baseline}"))
     forward_fns: dict[str, Callable[[int], None]] = {"raw": raw_forward}
     for impl in frameworks:
-        forward_fns[impl] = prepared_forward(make_accelerator(impl, "bf16"))
+        forward_fns[impl] = prepared_forward(make_accelerator(impl, mixed_precision="bf16"))
     samples = interleave({i: block(f, n) for i, f in forward_fns.items()}, reps=reps, warmup=1)
     samples_by_case["forward"] = samples
     result.rows.append(

@@ -22,28 +22,21 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import Result, Target, block, interleave, median, run_main, timing_row
+from benchmarks._common import (
+    Result,
+    Target,
+    block,
+    interleave,
+    make_accelerator,
+    median,
+    run_main,
+    timing_row,
+)
 
 DESCRIPTION = "µs per `accumulate` block and per `gather_for_metrics` call, vs Accelerate."
 #: kwplug's time per call may be at most this multiple of Accelerate's.
 GOAL_VS_ACCELERATE = 1.5
 _METRIC = torch.ones(32)
-
-
-def make_accelerator(impl: str, steps: int) -> Any:
-    """A CPU Accelerator of ``impl`` (Accelerate's singletons reset first)."""
-    if impl == "kwplug":
-        import kwplug
-
-        return kwplug.Accelerator(cpu=True, gradient_accumulation_steps=steps)
-    import accelerate
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=steps)
-    torch.set_num_threads(1)
-    return accelerator
 
 
 def raw_accumulate(steps: int) -> Callable[[int], None]:
@@ -107,7 +100,7 @@ def run(quick: bool, with_accelerate: bool) -> Result:
     for case, raw, via, steps in cases:
         fns: dict[str, Callable[[int], None]] = {"raw": raw}
         for impl in frameworks:
-            fns[impl] = via(make_accelerator(impl, steps))
+            fns[impl] = via(make_accelerator(impl, gradient_accumulation_steps=steps))
         samples = interleave({i: block(f, n) for i, f in fns.items()}, reps=reps, warmup=1)
         samples_by_case[case] = samples
         result.rows.append(timing_row(case, samples))
