@@ -86,11 +86,16 @@ def tag(folder: Path, run_id: str) -> None:
         tmp.unlink()  # a killed tag's leftover (unlink never follows a link)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        os.write(fd, json.dumps({"run": run_id}).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, folder / RUN_FILE)
+        try:
+            os.write(fd, json.dumps({"run": run_id}).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, folder / RUN_FILE)
+    except BaseException:  # a full disk: no half-written tag left behind
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def short(run_id: str | None) -> str:
