@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,9 +56,15 @@ def _failed(exc: OSError | CheckpointError | TypeError, what: str) -> str:
     return str(exc)
 
 
-def save_state(sources: CheckpointSources, output_dir: str | os.PathLike[str]) -> Path:
+def save_state(
+    sources: CheckpointSources,
+    output_dir: str | os.PathLike[str],
+    *,
+    locked: Callable[[], None] | None = None,
+) -> Path:
     """Save ``sources`` into a new version folder of ``output_dir`` (every rank calls it);
-    see ``Accelerator.save_state``."""
+    see ``Accelerator.save_state``. ``locked`` is called on the main process once it holds
+    the folder's lock, before anything is staged (automatic naming tags the folder there)."""
     acc = sources
     if not os.fspath(output_dir):
         raise ValueError("save_state needs a checkpoint directory, got an empty path")
@@ -72,6 +79,8 @@ def save_state(sources: CheckpointSources, output_dir: str | os.PathLike[str]) -
                 commit.check_directory(directory)
                 commit.reached("lock")
                 held.enter_context(lock.locked(directory))
+                if locked is not None:
+                    locked()
                 staging = commit.begin(directory)
             except (OSError, CheckpointError) as exc:
                 error = _failed(exc, f"saving a checkpoint into {directory}")

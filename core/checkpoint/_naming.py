@@ -28,6 +28,7 @@ Accelerate:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -164,13 +165,26 @@ def save(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) 
     refusal = _share(sources, refusal)
     if refusal is not None:
         raise ValueError(refusal)
-    saved = api.save_state(sources, target)
+    # Tagged once the save holds the folder's lock, before its commit, so that a save killed
+    # right after its commit is this run's too (tagged after it, such a newest checkpoint
+    # was untagged: the restarted process, with an id of its own, then counted as a second
+    # run). A tag without a complete version marks nothing: such a folder is saved into
+    # again, and re-tagged.
+    tagged: list[bool] = []
+
+    def tag_in_lock() -> None:
+        with contextlib.suppress(OSError):  # a full disk: the save says so; else retried
+            runs.tag(target, sources.run.id)
+            tagged.append(True)
+
+    saved = api.save_state(sources, target, locked=tag_in_lock)
     config.iteration += 1
     if not sources.is_main_process:
         return saved
     # The save is committed: a failed tag or clean-up must not undo it.
     try:
-        runs.tag(target, sources.run.id)
+        if not tagged:
+            runs.tag(target, sources.run.id)
     except OSError as exc:
         warnings.warn(
             f"could not tag {target} with this run's id (it counts as any run's): {exc}",
@@ -256,6 +270,17 @@ def _newest(sources: CheckpointSources, checkpoints: Path) -> tuple[str | None, 
     return (str(found[-1]) if found else None), None
 
 
+def _continued(folder: Path) -> str | None:
+    # The run a load of ``folder`` continues: the one that tagged it; for an untagged folder
+    # (saved before run tags), the only run with complete checkpoints next to it, if one.
+    owner = runs.owner(folder)
+    if owner is not None:
+        return owner
+    complete = [f for f in numbered(folder.parent).values() if commit.is_complete(f)]
+    tagged = {runs.owner(f) for f in complete} - {None}
+    return tagged.pop() if len(tagged) == 1 else None
+
+
 def load(sources: CheckpointSources, input_dir: str | os.PathLike[str] | None) -> Path:
     """``load_state``: ``input_dir``, or, with automatic naming, the newest complete
     ``checkpoint_<n>`` of this run (of the only run in ``checkpoints/`` when this one has
@@ -296,7 +321,7 @@ def load(sources: CheckpointSources, input_dir: str | os.PathLike[str] | None) -
         folder = Path(input_dir).absolute()
         match = _NAME.fullmatch(folder.name)
         ours = match is not None and folder.parent == root(sources)
-        owner = _share(sources, runs.owner(folder) if ours and sources.is_main_process else None)
+        owner = _share(sources, _continued(folder) if ours and sources.is_main_process else None)
         if match and ours:
             config.iteration = int(match.group(1)) + 1
             if owner is not None:  # a resumed run is the run that saved it

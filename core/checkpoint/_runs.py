@@ -3,13 +3,16 @@
 Two runs may share a ``project_dir`` (a second experiment started next to the first, a run
 restarted without ``load_state``). So that one never prunes, or resumes, the other's
 checkpoints, each ``save_state()`` with automatic naming tags the folder it wrote with the
-run's id, in ``checkpoint_<n>/.kwplug-run`` (JSON ``{"run": "<32 hex digits>"}``, written
-after the commit, replaced atomically). The id is the Accelerator's :class:`RunIdentity`: new
-for each Accelerator, and taken over from the checkpoint a ``load_state`` reads (a resumed run
-is the run that saved it, and goes on pruning its older checkpoints).
+run's id, in ``checkpoint_<n>/.kwplug-run`` (JSON ``{"run": "<32 hex digits>"}``, replaced
+atomically), written while the save holds the folder's lock, before its commit, so that a save
+killed right after its commit is tagged too (retried after the commit when that failed). The
+id is the Accelerator's :class:`RunIdentity`: new for each Accelerator, and taken over from
+the checkpoint a ``load_state`` reads (a resumed run is the run that saved it, and goes on
+pruning its older checkpoints).
 
-A folder without a tag (saved by kwplug before tags, or by a save killed between its commit
-and its tag) belongs to no run in particular: every run counts it as its own.
+A folder without a tag (saved by kwplug before tags) belongs to no run in particular: every
+run counts it as its own, and a ``load_state`` of it continues the only run whose tagged
+checkpoints are next to it, if there is one.
 """
 
 from __future__ import annotations
@@ -83,11 +86,16 @@ def tag(folder: Path, run_id: str) -> None:
         tmp.unlink()  # a killed tag's leftover (unlink never follows a link)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        os.write(fd, json.dumps({"run": run_id}).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, folder / RUN_FILE)
+        try:
+            os.write(fd, json.dumps({"run": run_id}).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, folder / RUN_FILE)
+    except BaseException:  # a full disk: no half-written tag left behind
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def short(run_id: str | None) -> str:

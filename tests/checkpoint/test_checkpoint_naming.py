@@ -15,7 +15,8 @@ import torch
 import kwplug
 from kwplug.checkpoint import _commit as commit
 from kwplug.checkpoint import _naming as naming
-from kwplug.errors import KwplugWarning
+from kwplug.checkpoint import _runs as runs
+from kwplug.errors import CheckpointError, KwplugWarning
 from kwplug.utils import ProjectConfiguration
 
 
@@ -294,7 +295,7 @@ def test_a_run_resumes_the_only_run_there_and_untagged_checkpoints_are_anyones(
     first, model = _accelerator(tmp_path, total_limit=2)
     for value in (1.0, 2.0, 3.0):
         _filled(first, model, value)
-    # A folder saved by kwplug before run tags (or by a save killed before its tag).
+    # A folder saved by kwplug before run tags.
     (tmp_path / "checkpoints" / "checkpoint_1" / ".kwplug-run").unlink()
     resumed, model = _accelerator(tmp_path, total_limit=2)
     resumed.load_state()  # the only run there: its newest, and that run is continued
@@ -357,3 +358,67 @@ def test_per_process_folders_share_process_zeros_checkpoint(tmp_path: Path) -> N
     assert rank0["error"].startswith(f"no complete kwplug checkpoint at '{tmp_path / 'empty'}'")
     assert rank1["error"].startswith("rank 0 found no complete kwplug checkpoint")
     assert "every process must load a checkpoint" in rank1["error"]
+
+
+class _Killed(BaseException):
+    """Stands for a SIGKILL: nothing after it in the save runs."""
+
+
+def test_a_save_killed_after_its_commit_is_resumed_by_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 18 re-verification (kill loop with automatic naming): a save killed between its
+    # commit and its run tag left the newest checkpoint untagged; the restarted process loaded
+    # it but kept a new run id, tagged its own saves with it, and the restart after that
+    # refused load_state() ("the checkpoints of 2 runs") although one run was ever started.
+    first, model = _accelerator(tmp_path, total_limit=2)
+    for value in (1.0, 2.0):
+        _filled(first, model, value)
+
+    def killed(step: str) -> None:
+        if step == "unlock":  # the version is committed; the process dies here
+            raise _Killed
+
+    monkeypatch.setattr(commit, "reached", killed)
+    with pytest.raises(_Killed):
+        _filled(first, model, 3.0)
+    monkeypatch.undo()
+    folders = tmp_path / "checkpoints"
+    first_run = runs.owner(folders / "checkpoint_1")
+    assert first_run is not None and runs.owner(folders / "checkpoint_2") == first_run
+    for value in (4.0, 5.0):  # two restarts of the same training, each resuming
+        resumed, model = _accelerator(tmp_path, total_limit=2)
+        assert resumed.load_state().parent.name == f"checkpoint_{int(value) - 2}"
+        assert torch.equal(model.weight, torch.full((1, 2), value - 1.0))
+        _filled(resumed, model, value)
+    # one run throughout: total_limit keeps its two newest
+    assert _names(tmp_path) == ["checkpoint_3", "checkpoint_4"]
+
+
+def test_an_untagged_newest_checkpoint_continues_the_only_run_there(tmp_path: Path) -> None:
+    # The same from a folder without a tag (saved by kwplug before run tags): loading it
+    # continues the one run whose tagged checkpoints are there.
+    first, model = _accelerator(tmp_path, total_limit=2)
+    for value in (1.0, 2.0, 3.0):
+        _filled(first, model, value)
+    (tmp_path / "checkpoints" / "checkpoint_2" / ".kwplug-run").unlink()
+    resumed, model = _accelerator(tmp_path, total_limit=2)
+    assert resumed.load_state().parent.name == "checkpoint_2"
+    _filled(resumed, model, 4.0)
+    again, model = _accelerator(tmp_path, total_limit=2)
+    assert again.load_state().parent.name == "checkpoint_3"  # not "2 runs"
+    assert torch.equal(model.weight, torch.full((1, 2), 4.0))
+    assert _names(tmp_path) == ["checkpoint_2", "checkpoint_3"]
+
+
+def test_a_save_refused_by_the_lock_leaves_the_savers_tag(tmp_path: Path) -> None:
+    # The tag is written under the folder's lock: a second run reaching the folder another
+    # process is saving into (its lock held, its tag written, no complete version yet) is
+    # refused by the lock and does not re-tag the other process's checkpoint.
+    first, _ = _accelerator(tmp_path)
+    target = tmp_path / "checkpoints" / "checkpoint_0"
+    target.mkdir(parents=True)
+    runs.tag(target, "0" * 32)
+    with kwplug.checkpoint._lock.locked(target), pytest.raises(CheckpointError):
+        first.save_state()
+    assert runs.owner(target) == "0" * 32

@@ -267,3 +267,41 @@ def test_timeline_records_each_collective(tmp_path: Path) -> None:
         assert all(e["done"] >= e["start"] for e in events)
     finally:
         dist.destroy_process_group()
+
+
+def test_checkpoint_benchmark_skips_what_would_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The 4 GiB rows of docs/benchmarks.md: an operation whose memory (live model and state,
+    # plus the largest file for a load) exceeds MemAvailable less the reserve is a "not run"
+    # entry naming both figures, and a load whose save was skipped is skipped too.
+    from benchmarks import checkpoint as bench
+
+    gib = 1 << 30
+    need, largest = bench.estimate(4 * gib, "adam", "kwplug load")
+    assert largest == 8 * gib and need == 20 * gib + bench.OVERHEAD
+    assert bench.estimate(4 * gib, "adam", "kwplug save")[0] == 12 * gib + bench.OVERHEAD
+    monkeypatch.setattr(bench, "mem_available", lambda: 3 * gib)
+    rows = bench.run_case(4 * gib, "adam", str(tmp_path), ("kwplug load",), reserve=2 * gib)
+    assert [row["op"] for row in rows] == ["kwplug save", "kwplug load"]
+    assert "needs ~12.8 GiB, 1.0 GiB available" in rows[0]["skipped"]
+    assert "not written" in rows[1]["skipped"]
+    lines = bench.table(rows)
+    assert "| 4096 MiB | adam | 8192 MiB | not run / not run |" in lines[2]
+    assert any(line.startswith("- not run (4096 MiB, adam): kwplug save: needs") for line in lines)
+
+
+def test_checkpoint_benchmark_table_with_a_skipped_load() -> None:
+    from benchmarks import checkpoint as bench
+
+    mib = 1 << 20
+    common = {"size": 64 * mib, "optimizer": "sgd", "largest_file": 64 * mib}
+    rows = [
+        {"op": "kwplug save", "seconds": 2.0, "extra_bytes": mib, **common},
+        {"op": "safetensors save", "seconds": 1.0, "extra_bytes": 0, **common},
+        {"op": "kwplug load", "seconds": 3.0, "extra_bytes": 64 * mib, **common},
+        {"op": "safetensors load", "skipped": "needs ~1.0 GiB, 0.5 GiB available", **common},
+    ]
+    row = bench.table(rows)[2]
+    assert "| 2.00 / 1.00 (2.00x) | 1 / 0 MiB (0.02x file) |" in row
+    assert "| 3.00 / not run | 64 / not run MiB (1.00x file) |" in row
