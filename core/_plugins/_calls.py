@@ -1,33 +1,42 @@
-"""Hook calls that know which plugin answered (provenance) and whose code failed.
+"""The one caller of an Accelerator's hooks: record, run and answer, with provenance.
 
 pluggy orders the implementations (user handlers, third-party, built-ins; ``tryfirst`` /
 ``trylast``), validates them and runs them (``_multicall``); for a ``firstresult`` hook it
 returns the first non-``None`` answer but not *whose* answer it was. kwplug needs that to name
-the plugin in errors and in ``Accelerator.plan``. So each call here hands pluggy's
+the plugin in errors and in ``Accelerator.plan``. So :class:`HookCalls` hands pluggy's
 ``PluginManager._hookexec`` -- the one entry point that ``enable_tracing()`` and
-``add_hookcall_monitoring()`` watch -- copies of the implementations whose functions record
-their answer and turn a third-party plugin's exception into
+``add_hookcall_monitoring()`` watch -- *recording twins* of the implementations: copies whose
+functions record their answer and turn a third-party plugin's exception into
 :class:`~kwplug.errors.PluginHookError`. pluggy still does the calling, ordering and
 ``firstresult`` short cut; monitoring sees one call per hook call, with the real plugin names.
 
-Only construction, ``prepare()``, ``autocast(handler)``, ``profile()`` and checkpoints call
-hooks; nothing here runs per training step.
+The twins of a hook are made once and kept while the hook's registered implementations stay
+the same (any ``register``/``unregister`` makes new ones); a call then costs the handlers'
+re-validation, pluggy's call and the answer. The typed way in is
+:mod:`kwplug._plugins._relays` (``plugins.first.<hook>(...)``, ``plugins.each.<hook>(...)``).
+
+Only construction, ``prepare()``, ``autocast(handler)``, ``profile()``, ``no_sync``,
+``trigger_sync_in_backward`` and checkpoints call hooks; nothing here runs per training step.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import pluggy
 
 from kwplug.errors import PluginHookError
+from kwplug.handler import KwargsHandler
 
 #: The registered name a per-call handler (``accelerator.autocast(handler)``) answers under.
 PER_CALL = "<per-call handler>"
+
+logger = logging.getLogger("kwplug._plugins._manager")
 
 
 @attrs.frozen
@@ -47,66 +56,238 @@ class Answer:
     asked: tuple[str, ...]
 
 
-@attrs.define
-class Recording:
-    """What one hook call did, implementation by implementation (filled in as pluggy calls).
+def revalidate(handler: Any) -> None:
+    """Run ``handler``'s field validators again, if it is a :class:`~kwplug.KwargsHandler`.
+
+    attrs validates at construction and on assignment, not when a mutable value is changed in
+    place (``h.schedule_option["active"] = -5``); every hook call checks again, so that such a
+    value never reaches torch.
+
+    Raises:
+        TypeError, ValueError: a field no longer passes its validator; the message names the
+            handler class and says it was changed after construction.
+    """
+    if isinstance(handler, KwargsHandler) and attrs.has(type(handler)):
+        _revalidate(handler)
+
+
+def _revalidate(handler: KwargsHandler) -> None:
+    try:
+        attrs.validate(handler)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(
+            f"{type(handler).__qualname__} was changed after construction and is no longer "
+            f"valid: {exc}"
+        ) from exc
+
+
+class Manager(Protocol):
+    """What :class:`HookCalls` needs of its plugin manager."""
+
+    @property
+    def hook(self) -> pluggy.HookRelay: ...
+
+    @property
+    def plan(self) -> dict[str, Answer]: ...
+
+    def describe(self, name: str) -> str: ...
+
+    def is_third_party(self, name: str) -> bool: ...
+
+    def _hookexec(
+        self,
+        hook_name: str,
+        methods: Sequence[pluggy.HookImpl],
+        kwargs: Mapping[str, object],
+        firstresult: bool,
+    ) -> object | list[object]: ...
+
+
+class _Twins:
+    # A hook's registered implementations as they were (to tell when they change), their
+    # recording twins (wrappers as they are) and the handlers that every call re-validates.
+    # A plain class: attrs' frozen __init__ costs a microsecond per hook per Accelerator.
+    __slots__ = ("handlers", "impls", "source", "wrapped")
+
+    def __init__(self, source: list[pluggy.HookImpl], impls: list[pluggy.HookImpl]) -> None:
+        self.source = source
+        self.impls = impls
+        self.wrapped = any(i.wrapper or i.hookwrapper for i in impls)
+        self.handlers = _handlers(impls)
+
+
+class HookCalls:
+    """One manager's hook caller: it records (who answered what), runs (pluggy's
+    ``_hookexec``) and answers (:class:`Answer`, or each plugin's answer).
 
     Attributes:
-        hook: the hook name.
-        impls: the implementations handed to pluggy (the recording copies).
-        answers: ``(registered name, answer)`` per implementation called, in call order.
+        running: ``(implementations handed to pluggy, answers so far)`` of the calls in
+            progress, innermost last (the trace logger reads who answered from it).
     """
 
-    hook: str
-    impls: list[pluggy.HookImpl] = attrs.field(factory=list)
-    answers: list[tuple[str, Any]] = attrs.field(factory=list)
+    __slots__ = ("_answers", "_pm", "_twins", "running")
 
-    def answer(self) -> Answer:
-        """The :class:`Answer` of a ``firstresult`` call: the last implementation called
-        answered, unless every one declined."""
-        asked = tuple(name for name, _ in self.answers)
-        if self.answers and self.answers[-1][1] is not None:
-            name, result = self.answers[-1]
-            return Answer(self.hook, result, name, asked)
-        return Answer(self.hook, None, None, asked)
+    def __init__(self, pm: Manager) -> None:
+        """The caller of ``pm``'s hooks."""
+        self._pm = pm
+        self._twins: dict[str, _Twins] = {}
+        self._answers: list[tuple[str, Any]] = []  # the innermost running call's answers
+        self.running: list[tuple[list[pluggy.HookImpl], list[tuple[str, Any]]]] = []
+
+    # -- the three kinds of call ---------------------------------------------------------
+
+    def first(self, hook: str, kwargs: dict[str, Any]) -> Any:
+        """Call ``firstresult`` hook ``hook``; record who answered in the manager's ``plan``
+        and return the answer (``None``: every plugin declined).
+
+        Raises:
+            kwplug.errors.PluginHookError: a third-party implementation raised.
+            Exception: whatever a built-in or user handler's implementation raised (with a
+                note naming it, on Python >= 3.11).
+        """
+        twins = self._twins_of(hook)
+        for handler in twins.handlers:
+            _revalidate(handler)
+        if twins.wrapped:  # a wrapper may change the answer: no provenance to report
+            result = getattr(self._pm.hook, hook)(**kwargs)
+            self._pm.plan[hook] = Answer(hook, result, None, ())
+            return result
+        answers = self._run(hook, list(twins.impls), kwargs, True)
+        answer = _answer(hook, answers)
+        self._pm.plan[hook] = answer
+        if logger.isEnabledFor(logging.DEBUG):
+            who = self._pm.describe(answer.plugin or "no plugin")
+            logger.debug("hook %s answered by %s", hook, who)
+        return answer.result
+
+    def first_with(
+        self, extra: Sequence[Callable[..., Any]], hook: str, kwargs: dict[str, Any]
+    ) -> Any:
+        """Like :meth:`first`, with the functions ``extra`` (a per-call handler's methods)
+        answering before every registered implementation, and nothing recorded in ``plan``.
+
+        Raises:
+            kwplug.errors.PluginHookError: see :meth:`first`.
+        """
+        twins = self._twins_of(hook)
+        for handler in twins.handlers:
+            _revalidate(handler)
+        if twins.wrapped:
+            caller = getattr(self._pm.hook, hook)
+            return caller.call_extra(list(extra), kwargs) if extra else caller(**kwargs)
+        # Per-call handlers answer before every registered plugin: pluggy calls the last first.
+        impls = [*twins.impls, *(self._twin(_per_call_impl(f), hook) for f in reversed(extra))]
+        return _answer(hook, self._run(hook, impls, kwargs, True)).result
+
+    def each(
+        self, hook: str, kwargs: dict[str, Any], only: Callable[[str], bool] | None = None
+    ) -> list[tuple[str, Any]]:
+        """Call collecting (not ``firstresult``) hook ``hook``: ``(registered name, answer)``
+        per plugin called, in call order (``None`` answers included).
+
+        Args:
+            hook: the hook name.
+            kwargs: the hook's arguments.
+            only: which registered names to call (default: all).
+
+        Raises:
+            kwplug.errors.PluginHookError: see :meth:`first`.
+        """
+        twins = self._twins_of(hook)
+        if only is None:
+            impls, handlers = list(twins.impls), twins.handlers
+        else:
+            impls = [i for i in twins.impls if only(i.plugin_name)]
+            handlers = _handlers(impls)
+        for handler in handlers:
+            _revalidate(handler)
+        return self._run(hook, impls, kwargs, False)
+
+    # -- record and run ------------------------------------------------------------------
+
+    def _run(
+        self, hook: str, impls: list[pluggy.HookImpl], kwargs: dict[str, Any], firstresult: bool
+    ) -> list[tuple[str, Any]]:
+        outer = self._answers
+        answers: list[tuple[str, Any]] = []
+        self._answers = answers
+        self.running.append((impls, answers))
+        try:
+            self._pm._hookexec(hook, impls, kwargs, firstresult)
+        finally:
+            self.running.pop()
+            self._answers = outer
+        return answers
+
+    def _twins_of(self, hook: str) -> _Twins:
+        source: list[pluggy.HookImpl] = getattr(self._pm.hook, hook)._hookimpls
+        twins = self._twins.get(hook)
+        if twins is None or twins.source != source:  # HookImpl compares by identity
+            impls = [i if i.wrapper or i.hookwrapper else self._twin(i, hook) for i in source]
+            twins = _Twins(list(source), impls)
+            self._twins[hook] = twins
+        return twins
+
+    def _twin(self, impl: pluggy.HookImpl, hook: str) -> pluggy.HookImpl:
+        # A copy of a plain implementation whose function records its answer in the running
+        # call and names the plugin when it raises: a third-party plugin's exception becomes
+        # PluginHookError, a built-in's or user handler's gets a note (Python >= 3.11).
+        # ``impl.function`` is read at each call, so that a function swapped in later runs.
+        name, calls, pm = impl.plugin_name, self, self._pm
+
+        def call(*args: Any, **kwargs: Any) -> Any:  # keywords: pluggy's ``kwargnames``
+            try:
+                result = impl.function(*args, **kwargs)
+            except Exception as exc:
+                where = f"hook {hook!r} of {pm.describe(name)}"
+                if pm.is_third_party(name):
+                    raise PluginHookError(
+                        f"{where} raised {type(exc).__name__}: {exc}", plugin=name, hook=hook
+                    ) from exc
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"(raised by {where})")
+                raise
+            calls._answers.append((name, result))
+            return result
+
+        return copy_impl(impl, impl.plugin, call)
 
 
-def per_call_impl(function: Callable[..., Any]) -> pluggy.HookImpl:
-    """A plain implementation for a per-call handler's bound method (not registered)."""
+def _answer(hook: str, answers: list[tuple[str, Any]]) -> Answer:
+    # A firstresult call's Answer: the last implementation called answered, unless every one
+    # declined.
+    asked = tuple(name for name, _ in answers)
+    if answers and answers[-1][1] is not None:
+        name, result = answers[-1]
+        return Answer(hook, result, name, asked)
+    return Answer(hook, None, None, asked)
+
+
+def _handlers(impls: Sequence[pluggy.HookImpl]) -> tuple[KwargsHandler, ...]:
+    # The attrs handlers among the implementations' plugins, in storage order (re-validated
+    # at each call; a per-call handler has plugin None and was checked by the caller).
+    return tuple(
+        i.plugin for i in impls if isinstance(i.plugin, KwargsHandler) and attrs.has(type(i.plugin))
+    )
+
+
+def _per_call_impl(function: Callable[..., Any]) -> pluggy.HookImpl:
+    # A plain implementation for a per-call handler's bound method (not registered).
     return pluggy.HookImpl(None, PER_CALL, function, _PLAIN_OPTS)
 
 
-def has_wrappers(impls: Sequence[pluggy.HookImpl]) -> bool:
-    """Whether any implementation is a (new- or old-style) hook wrapper."""
-    return any(i.wrapper or i.hookwrapper for i in impls)
-
-
-def record(
-    hook_name: str,
-    impls: Sequence[pluggy.HookImpl],
-    describe: Callable[[str], str],
-    third_party: Callable[[str], bool],
-) -> Recording:
-    """Recording copies of ``impls`` (pluggy's storage order: the last is called first).
-
-    Each copy of a plain implementation (hook wrappers are passed as they are) has the same
-    ``argnames`` and plugin, but its function appends ``(registered name, answer)`` to the
-    returned :class:`Recording` and, when it raises, wraps a third-party plugin's exception in
-    :class:`~kwplug.errors.PluginHookError` naming it, or adds a note naming the plugin
-    (Python >= 3.11) to a built-in's or user handler's.
-    """
-    recording = Recording(hook_name)
-    for impl in impls:
-        if impl.wrapper or impl.hookwrapper:  # wraps the others' answers: not an answer itself
-            recording.impls.append(impl)
-            continue
-        twin = copy_impl(impl, impl.plugin, _recorder(recording, impl, describe, third_party))
-        recording.impls.append(twin)
-    return recording
+_PLAIN_OPTS: pluggy.HookimplOpts = {
+    "wrapper": False,
+    "hookwrapper": False,
+    "optionalhook": False,
+    "tryfirst": False,
+    "trylast": False,
+    "specname": None,
+}
 
 
 # HookImpl's attributes, copied one by one: several times faster than copy.copy, which goes
-# through __reduce_ex__ (hook calls and manager copies make several per Accelerator).
+# through __reduce_ex__ (manager copies make several per Accelerator).
 _IMPL_SLOTS: tuple[str, ...] | None = getattr(pluggy.HookImpl, "__slots__", None)
 # All slots read in one C call (a getter of two or more names returns a tuple).
 _impl_values: Callable[[pluggy.HookImpl], tuple[Any, ...]] | None = (
@@ -126,49 +307,3 @@ def copy_impl(impl: pluggy.HookImpl, plugin: Any, function: Callable[..., Any]) 
     object.__setattr__(twin, "plugin", plugin)
     object.__setattr__(twin, "function", function)
     return twin
-
-
-def _recorder(
-    recording: Recording,
-    impl: pluggy.HookImpl,
-    describe: Callable[[str], str],
-    third_party: Callable[[str], bool],
-) -> Callable[..., Any]:
-    function, name = impl.function, impl.plugin_name
-
-    def call(*args: Any) -> Any:
-        try:
-            result = function(*args)
-        except Exception as exc:
-            where = f"hook {recording.hook!r} of {describe(name)}"
-            if third_party(name):
-                raise PluginHookError(
-                    f"{where} raised {type(exc).__name__}: {exc}",
-                    plugin=name,
-                    hook=recording.hook,
-                ) from exc
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"(raised by {where})")
-            raise
-        recording.answers.append((name, result))
-        return result
-
-    return call
-
-
-_PLAIN_OPTS: pluggy.HookimplOpts = {
-    "wrapper": False,
-    "hookwrapper": False,
-    "optionalhook": False,
-    "tryfirst": False,
-    "trylast": False,
-    "specname": None,
-}
-
-
-def call_recorded(
-    pm: pluggy.PluginManager, recording: Recording, kwargs: Mapping[str, Any], firstresult: bool
-) -> None:
-    """Run ``recording``'s implementations through ``pm._hookexec`` (so that monitoring and
-    tracing see the call); the answers land in ``recording``."""
-    pm._hookexec(recording.hook, recording.impls, dict(kwargs), firstresult)

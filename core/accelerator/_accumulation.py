@@ -188,7 +188,7 @@ class _GradientAccumulation:
         model (kwplug-fsdp); ``contextlib.nullcontext()`` when no plugin answers (a model that
         is not wrapped).
         """
-        context = self._setup.plugins.call_first("no_sync", model=model).result
+        context = self._setup.plugins.first.no_sync(model=model)
         return contextlib.nullcontext() if context is None else context
 
     def trigger_sync_in_backward(

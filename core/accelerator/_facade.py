@@ -224,12 +224,9 @@ class Accelerator(
         """
         if autocast_handler is None:
             return self._setup.autocast_factory()
-        factory = self.plugin_manager.call_with(
-            autocast_handler,
-            "autocast",
-            device_type=self.device_type,
-            mixed_precision=self.mixed_precision,
-        ).result
+        factory = self.plugin_manager.first_with(autocast_handler).autocast(
+            device_type=self.device_type, mixed_precision=self.mixed_precision
+        )
         return (factory or contextlib.nullcontext)()
 
     # -- distributed helpers (kwplug.accelerator._ops) ----------------------------------------
@@ -278,9 +275,9 @@ class Accelerator(
             TypeError: ``profile_handler`` is not a handler instance.
             RuntimeError: no plugin built a profiler.
         """
-        profiler = self.plugin_manager.call_with(
-            profile_handler, "make_profiler", device_type=self.device_type, rank=self.process_index
-        ).result
+        profiler = self.plugin_manager.first_with(profile_handler).make_profiler(
+            device_type=self.device_type, rank=self.process_index
+        )
         if profiler is None:
             raise RuntimeError("no plugin answered make_profiler (is ProfileKwargs blocked?)")
         with profiler as prof:

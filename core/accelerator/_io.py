@@ -187,12 +187,12 @@ class _Checkpoints:
 
         def handler_state() -> dict[str, Any]:
             # By registered plugin name, so that each plugin gets its own state back.
-            answers = plugins.call_each("handler_state")
+            answers = plugins.each.handler_state()
             return {name: state for name, state in answers if state is not None}
 
         def load_handler_state(saved: Mapping[str, Any]) -> None:
             for name, state in saved.items():
-                plugins.call_each("load_handler_state", only=name.__eq__, state=state)
+                plugins.each_of(name).load_handler_state(state=state)
 
         return sources.CheckpointSources(
             models=tuple(prepared.models),
