@@ -2,7 +2,10 @@
 
 The package keeps one concern per private module:
 
-- ``_facade``: the public :class:`Accelerator`, each method a delegation;
+- ``_facade``: the public :class:`Accelerator`, each method a delegation; its base classes
+  hold the rest of its methods, one concern each: ``_api_prepare``, ``_api_training``,
+  ``_api_tracking``, ``_api_saving``, ``_api_process``;
+- ``_gradient_state``: the per-Accelerator :class:`GradientState`;
 - ``_setup``: resolves arguments, process, device, plugins, comm hooks, autocast factory and
   scaler once, into a frozen object (hooks called through the ``KwplugPluginManager``);
 - ``_prepare``: prepares models, optimizers and data loaders and keeps them;

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from kwplug._plugins import Answer
-from kwplug.accelerator._accumulation import GradientState
+from kwplug.accelerator._gradient_state import GradientState
 from kwplug.accelerator._options import _Options
 from kwplug.accelerator._params import ParameterRemap
 from kwplug.accelerator._precision import apply_mixed_precision
