@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from kwplug._lazy import BUILTIN_HANDLERS
 from kwplug.accelerator._facade import Accelerator
 from kwplug.accelerator._setup import MIXED_PRECISION
 
@@ -38,11 +39,7 @@ _REEXPORTS = {
     "GradientAccumulationPlugin": "kwplug.utils",
     "ProjectConfiguration": "kwplug.utils",
     "DistributedType": "kwplug.utils",
-    "AutocastKwargs": "kwplug",
-    "DistributedDataParallelKwargs": "kwplug",
-    "GradScalerKwargs": "kwplug",
-    "InitProcessGroupKwargs": "kwplug",
-    "ProfileKwargs": "kwplug",
+    **dict.fromkeys(BUILTIN_HANDLERS, "kwplug"),
     "KwargsHandler": "kwplug",
 }
 
