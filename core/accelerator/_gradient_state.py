@@ -9,10 +9,11 @@ import attrs
 
 from kwplug.data import ActiveLoaders
 from kwplug.utils.dataclasses import GradientAccumulationPlugin
+from kwplug.validators import is_int
 
 
 def _check_steps(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(
             f"gradient_accumulation_steps must be an int >= 1, got {value!r} of type "
             f"{type(value).__name__}"
