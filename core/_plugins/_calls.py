@@ -10,9 +10,11 @@ functions record their answer and turn a third-party plugin's exception into
 :class:`~kwplug.errors.PluginHookError`. pluggy still does the calling, ordering and
 ``firstresult`` short cut; monitoring sees one call per hook call, with the real plugin names.
 
-The twins of a hook are made once and kept while the hook's registered implementations stay
-the same (any ``register``/``unregister`` makes new ones); a call then costs the handlers'
-re-validation, pluggy's call and the answer. The typed way in is
+A hook asked a second time keeps its twins while its registered implementations stay the
+same (any ``register``/``unregister`` makes new ones), so that a repeated call (``no_sync`` per
+micro-batch, ``wrap_model`` per model) costs the handlers' re-validation, pluggy's call and the
+answer; a hook asked once (most of construction) keeps nothing. What a call records is kept per
+thread. The typed way in is
 :mod:`kwplug._plugins._relays` (``plugins.first.<hook>(...)``, ``plugins.each.<hook>(...)``).
 
 Only construction, ``prepare()``, ``autocast(handler)``, ``profile()``, ``no_sync``,
@@ -25,6 +27,7 @@ import copy
 import logging
 import operator
 from collections.abc import Callable, Mapping, Sequence
+from threading import get_ident
 from typing import Any, Protocol
 
 import attrs
@@ -120,19 +123,27 @@ class HookCalls:
     """One manager's hook caller: it records (who answered what), runs (pluggy's
     ``_hookexec``) and answers (:class:`Answer`, or each plugin's answer).
 
-    Attributes:
-        running: ``(implementations handed to pluggy, answers so far)`` of the calls in
-            progress, innermost last (the trace logger reads who answered from it).
+    The recording twins are shared; what a call records is kept per thread, so that calls
+    from two threads never mix their answers.
     """
 
-    __slots__ = ("_answers", "_pm", "_twins", "running")
+    __slots__ = ("_pm", "_running", "_twins")
 
     def __init__(self, pm: Manager) -> None:
         """The caller of ``pm``'s hooks."""
         self._pm = pm
-        self._twins: dict[str, _Twins] = {}
-        self._answers: list[tuple[str, Any]] = []  # the innermost running call's answers
-        self.running: list[tuple[list[pluggy.HookImpl], list[tuple[str, Any]]]] = []
+        # Hook name -> its recording twins, from its second call on (None: called once).
+        self._twins: dict[str, _Twins | None] = {}
+        # Thread id -> its calls in progress, innermost last: (implementations handed to
+        # pluggy, answers so far). A plain dict: a threading.local per manager made the
+        # garbage collector's work per discarded Accelerator several times larger.
+        self._running: dict[int, list[tuple[list[pluggy.HookImpl], list[tuple[str, Any]]]]] = {}
+
+    @property
+    def running(self) -> list[tuple[list[pluggy.HookImpl], list[tuple[str, Any]]]]:
+        """``(implementations handed to pluggy, answers so far)`` of this thread's calls in
+        progress, innermost last (the trace logger reads who answered from it)."""
+        return self._running.get(get_ident(), [])
 
     # -- the three kinds of call ---------------------------------------------------------
 
@@ -208,15 +219,18 @@ class HookCalls:
     def _run(
         self, hook: str, impls: list[pluggy.HookImpl], kwargs: dict[str, Any], firstresult: bool
     ) -> list[tuple[str, Any]]:
-        outer = self._answers
         answers: list[tuple[str, Any]] = []
-        self._answers = answers
-        self.running.append((impls, answers))
+        thread = get_ident()
+        calls = self._running.get(thread)
+        if calls is None:
+            calls = self._running[thread] = []
+        calls.append((impls, answers))
         try:
             self._pm._hookexec(hook, impls, kwargs, firstresult)
         finally:
-            self.running.pop()
-            self._answers = outer
+            calls.pop()
+            if not calls:
+                del self._running[thread]
         return answers
 
     def _twins_of(self, hook: str) -> _Twins:
@@ -224,8 +238,11 @@ class HookCalls:
         twins = self._twins.get(hook)
         if twins is None or twins.source != source:  # HookImpl compares by identity
             impls = [i if i.wrapper or i.hookwrapper else self._twin(i, hook) for i in source]
-            twins = _Twins(list(source), impls)
-            self._twins[hook] = twins
+            if hook in self._twins:  # asked again: keep the twins for the next calls
+                twins = self._twins[hook] = _Twins(list(source), impls)
+            else:  # the first call (most hooks are asked once per Accelerator): nothing kept,
+                twins = _Twins(source, impls)  # so that a discarded manager is little garbage
+                self._twins[hook] = None
         return twins
 
     def _twin(self, impl: pluggy.HookImpl, hook: str) -> pluggy.HookImpl:
@@ -233,7 +250,7 @@ class HookCalls:
         # call and names the plugin when it raises: a third-party plugin's exception becomes
         # PluginHookError, a built-in's or user handler's gets a note (Python >= 3.11).
         # ``impl.function`` is read at each call, so that a function swapped in later runs.
-        name, calls, pm = impl.plugin_name, self, self._pm
+        name, running, pm = impl.plugin_name, self._running, self._pm
 
         def call(*args: Any, **kwargs: Any) -> Any:  # keywords: pluggy's ``kwargnames``
             try:
@@ -247,7 +264,7 @@ class HookCalls:
                 if hasattr(exc, "add_note"):
                     exc.add_note(f"(raised by {where})")
                 raise
-            calls._answers.append((name, result))
+            running[get_ident()][-1][1].append((name, result))
             return result
 
         return copy_impl(impl, impl.plugin, call)

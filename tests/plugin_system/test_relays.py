@@ -5,6 +5,7 @@ pluggy's tracing and monitoring."""
 from __future__ import annotations
 
 import inspect
+import threading
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -228,3 +229,31 @@ def test_an_in_place_change_is_caught_at_every_call() -> None:
     handler.items.append("x")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="_Listed was changed after construction"):
         pm.first.autocast(device_type="cpu", mixed_precision="no")
+
+
+class _Meeting:
+    """Answers ``comm_hooks`` with the calling thread's name, once both threads are inside."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2, timeout=10)
+
+    @hookimpl
+    def comm_hooks(self) -> Any:
+        self.barrier.wait()
+        return {threading.current_thread().name: 1}
+
+
+def test_calls_from_two_threads_keep_their_own_answers() -> None:
+    pm = KwplugPluginManager()
+    pm.register_plugin(_Meeting(), "test:meeting", "meeting")
+    got: dict[str, Any] = {}
+
+    def call() -> None:
+        got[threading.current_thread().name] = pm.each.comm_hooks()
+
+    threads = [threading.Thread(target=call, name=f"t{i}") for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert got == {name: [("test:meeting", {name: 1})] for name in ("t0", "t1")}
