@@ -212,17 +212,23 @@ def hook_call_blocks(hook_name: str, n: int) -> tuple[dict[str, Callable[[], flo
         for _ in range(k):
             direct(**direct_kwargs)
 
-    # What the Accelerator itself calls at setup: kwplug's provenance-tracking manager call
-    # when the core has one (it runs through pluggy's _hookexec), else pluggy's HookCaller.
+    # What the Accelerator itself calls at setup: kwplug's provenance-tracking relay when the
+    # core has one (it runs through pluggy's _hookexec), else pluggy's HookCaller.
     pm = accelerator.plugin_manager
-    dispatcher = getattr(pm, "call_first", None)
+    relay = getattr(pm, "first", None)  # the typed relay: pm.first.<hook>(...)
+    dispatcher = getattr(relay, hook_name, None) or getattr(pm, "call_first", None)
     if dispatcher is not None:
+        name_first = relay is None  # an older kwplug: call_first(hook_name, ...)
 
         def via_kwplug(k: int) -> None:
-            for _ in range(k):
-                dispatcher(hook_name, **kwargs)
+            if name_first:
+                for _ in range(k):
+                    dispatcher(hook_name, **kwargs)
+            else:
+                for _ in range(k):
+                    dispatcher(**kwargs)
 
-        how = "KwplugPluginManager.call_first"
+        how = "KwplugPluginManager.call_first" if name_first else f"plugins.first.{hook_name}"
     else:
         via_kwplug = via_pluggy
         how = "pluggy HookCaller"

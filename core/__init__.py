@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kwplug._lazy import exporter
+from kwplug._lazy import BUILTIN_HANDLERS, exporter
 
 if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug._plugins import Answer as Answer
@@ -59,12 +59,8 @@ _EXPORTS: dict[str, str] = {
     "hookspec": "kwplug.hookspecs",
     "debug_launcher": "kwplug.launchers",
     "notebook_launcher": "kwplug.launchers",
-    "AutocastKwargs": "kwplug.plugins",
+    **dict.fromkeys(BUILTIN_HANDLERS, "kwplug.plugins"),
     "DDPCommunicationHookType": "kwplug.plugins",
-    "DistributedDataParallelKwargs": "kwplug.plugins",
-    "GradScalerKwargs": "kwplug.plugins",
-    "InitProcessGroupKwargs": "kwplug.plugins",
-    "ProfileKwargs": "kwplug.plugins",
     "AcceleratorState": "kwplug.state",
     "PartialState": "kwplug.state",
     "DataLoaderConfiguration": "kwplug.utils",

@@ -10,6 +10,18 @@ import importlib
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
+#: The built-in handler classes that ``kwplug``, ``kwplug.utils`` and ``kwplug.accelerator``
+#: re-export from :mod:`kwplug.plugins` (Accelerate has them in all three places): the one list
+#: of their names, from which those packages' tables derive (``kwplug.plugins`` maps each to
+#: its module).
+BUILTIN_HANDLERS: tuple[str, ...] = (
+    "AutocastKwargs",
+    "DistributedDataParallelKwargs",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
+    "ProfileKwargs",
+)
+
 
 def exporter(
     namespace: MutableMapping[str, Any], exports: Mapping[str, str]

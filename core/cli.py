@@ -154,9 +154,9 @@ def explain(device_type: str, mixed_precision: str) -> dict[str, Any]:
         if hook_name in conflicts:
             entry["conflict"] = conflicts[hook_name]
         elif info.pure:
-            answer = pm.call_first(
-                hook_name, device_type=device_type, mixed_precision=mixed_precision
-            )
+            # The pure hooks all take (device_type, mixed_precision); HOOKS names them.
+            getattr(pm.first, hook_name)(device_type=device_type, mixed_precision=mixed_precision)
+            answer = pm.plan[hook_name]
             entry["answered_by"] = pm.describe(answer.plugin) if answer.plugin else None
             entry["reaches_torch"] = _describe_answer(answer.result)
         elif impls:
@@ -188,7 +188,7 @@ def tracker_rows() -> list[dict[str, Any]]:
     for impl in pm.hook_impls("trackers"):
         plugin = pm.describe(impl.plugin_name)
         try:
-            answers = pm.call_each("trackers", only=functools.partial(str.__eq__, impl.plugin_name))
+            answers = pm.each_of(impl.plugin_name).trackers()
         except PluginHookError as exc:
             rows.append({"tracker": "-", "plugin": plugin, "status": "failed", "install": ""})
             rows[-1]["error"] = str(exc)

@@ -17,36 +17,18 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from kwplug.data import (
-    ActiveLoaders,
-    BatchSamplerShard,
-    DispatchedDataLoader,
-    IterableDatasetShard,
-    PreparedDataLoader,
-    SeedableRandomSampler,
-    prepare_dataloader,
-    to_device,
-)
+from kwplug import data as _data
+from kwplug.data import *  # noqa: F403 - every kwplug.data name, re-exported (see __all__)
+from kwplug.data import DispatchedDataLoader, PreparedDataLoader, prepare_dataloader
 
 #: Accelerate's name of the prepared data loader class.
 DataLoaderShard = PreparedDataLoader
 #: Accelerate's name of the class of a loader prepared with ``dispatch_batches``.
 DataLoaderDispatcher = DispatchedDataLoader
 
-__all__ = [
-    "ActiveLoaders",
-    "BatchSamplerShard",
-    "DataLoaderDispatcher",
-    "DataLoaderShard",
-    "DispatchedDataLoader",
-    "IterableDatasetShard",
-    "PreparedDataLoader",
-    "SeedableRandomSampler",
-    "prepare_data_loader",
-    "prepare_dataloader",
-    "skip_first_batches",
-    "to_device",
-]
+# kwplug.data's names (its __all__ is their one list), and Accelerate's own.
+__all__ = ["DataLoaderDispatcher", "DataLoaderShard", "prepare_data_loader", "skip_first_batches"]
+__all__ += _data.__all__
 
 #: The generators a prepared loader keeps equal across processes by itself.
 _RNG_KEPT = frozenset({"generator"})

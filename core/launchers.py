@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from kwplug.validators import is_int
+
 __all__ = ["debug_launcher", "notebook_launcher"]
 
 
@@ -77,7 +79,7 @@ def notebook_launcher(
         raise ValueError(
             "notebook_launcher: give the number of processes to start (num_processes=...)"
         )
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+    if not is_int(num_processes) or num_processes < 1:
         raise ValueError(
             f"notebook_launcher: num_processes must be an int >= 1, got {num_processes!r}"
         )
@@ -141,7 +143,7 @@ def debug_launcher(
         ValueError: ``num_processes`` below 1, or this process already has a process group.
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a process failed.
     """
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+    if not is_int(num_processes) or num_processes < 1:
         raise ValueError(
             f"debug_launcher: num_processes must be an int >= 1, got {num_processes!r}"
         )

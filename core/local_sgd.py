@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
+from kwplug.validators import is_int
+
 __all__ = ["LocalSGD"]
 
 #: Sharded or non-torch.distributed setups, whose parameters cannot be averaged as a whole.
@@ -85,7 +87,7 @@ class LocalSGD:
         self.model = model
         self.local_sgd_steps = local_sgd_steps
         if self.enabled:
-            if isinstance(local_sgd_steps, bool) or not isinstance(local_sgd_steps, int):
+            if not is_int(local_sgd_steps):
                 raise TypeError(f"local_sgd_steps must be an int >= 1, got {local_sgd_steps!r}")
             if local_sgd_steps < 1:
                 raise ValueError(f"local_sgd_steps must be an int >= 1, got {local_sgd_steps!r}")

@@ -16,13 +16,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 import attrs
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
-__all__ = ["OptionSchema", "Validator", "number", "optional_bool", "shown", "strict_bool"]
+__all__ = [
+    "OptionSchema",
+    "Validator",
+    "is_int",
+    "number",
+    "optional_bool",
+    "shown",
+    "strict_bool",
+]
 
 #: How many characters of a value an error message shows (see :func:`shown`).
 SHOWN = 200
@@ -47,6 +55,13 @@ def shown(value: Any, limit: int = SHOWN) -> str:
         return f"{value[:limit]!r}... ({size} bytes)"
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def is_int(value: Any) -> TypeGuard[int]:
+    """Whether ``value`` is an ``int`` and not a ``bool`` (``True`` passing as ``1`` is
+    usually a typo): the rule every integer argument of kwplug follows. Callers raise their
+    own message (:func:`number` is the validator for attrs fields and option schemas)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def cut_values(message: str, values: Any) -> str:

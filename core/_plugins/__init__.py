@@ -8,8 +8,9 @@ it each own one concern:
 - ``_controls``: the ``KWPLUG_*`` loading controls.
 - ``_api_range``: the kwplug version range a plugin's distribution requires.
 - ``_rules``: every "is this a valid plugin" rule (discovery and ``kwplug.testing`` share it).
-- ``_manager``: the manager (names, descriptions, third-party status, hook calls).
-- ``_calls``: hook calls with provenance through pluggy's ``_hookexec``.
+- ``_manager``: the manager (names, descriptions, third-party status, hook relays).
+- ``_relays``: the typed hook relays, ``plugins.first.<hook>(...)`` / ``plugins.each.<hook>(...)``.
+- ``_calls``: ``HookCalls``, the one caller: record, run through pluggy's ``_hookexec``, answer.
 - ``_conflicts``: two third-party defaults claiming one one-answer hook.
 """
 

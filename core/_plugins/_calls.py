@@ -1,36 +1,45 @@
-"""Hook calls that know which plugin answered (provenance) and whose code failed.
+"""The one caller of an Accelerator's hooks: record, run and answer, with provenance.
 
 pluggy orders the implementations (user handlers, third-party, built-ins; ``tryfirst`` /
 ``trylast``), validates them and runs them (``_multicall``); for a ``firstresult`` hook it
 returns the first non-``None`` answer but not *whose* answer it was. kwplug needs that to name
-the plugin in errors and in ``Accelerator.plan``. So each call here hands pluggy's
+the plugin in errors and in ``Accelerator.plan``. So :class:`HookCalls` hands pluggy's
 ``PluginManager._hookexec`` -- the one entry point that ``enable_tracing()`` and
-``add_hookcall_monitoring()`` watch -- copies of the implementations whose functions record
-their answer and turn a third-party plugin's exception into
+``add_hookcall_monitoring()`` watch -- *recording twins* of the implementations: copies whose
+functions record their answer and turn a third-party plugin's exception into
 :class:`~kwplug.errors.PluginHookError`. pluggy still does the calling, ordering and
 ``firstresult`` short cut; monitoring sees one call per hook call, with the real plugin names.
-When nothing watches the manager and no implementation is a hook wrapper (every
-``Accelerator()`` without tracing), the same loop as pluggy's ``_multicall`` runs here over the
-implementations themselves, recording as it goes, without the copies.
 
-Only construction, ``prepare()``, ``autocast(handler)``, ``profile()`` and checkpoints call
-hooks; nothing here runs per training step.
+A hook asked a second time keeps its twins while its registered implementations stay the
+same (``register``/``unregister`` make new ones); a hook asked once keeps nothing. What a call
+records is kept per thread. When nothing watches the manager (no ``enable_tracing()``, no
+``add_hookcall_monitoring()``, ``_hookexec`` not overridden) and the hook has no wrapper, the
+loop of pluggy's ``_multicall`` runs here over the implementations themselves, without twins.
+The typed way in: :mod:`kwplug._plugins._relays` (``plugins.first.<hook>(...)``).
+
+Only construction, ``prepare()``, ``autocast(handler)``, ``profile()``, ``no_sync``,
+``trigger_sync_in_backward`` and checkpoints call hooks; nothing here runs per training step.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from threading import get_ident
+from typing import Any, Protocol
 
 import attrs
 import pluggy
 
 from kwplug.errors import PluginHookError
+from kwplug.handler import KwargsHandler
 
 #: The registered name a per-call handler (``accelerator.autocast(handler)``) answers under.
 PER_CALL = "<per-call handler>"
+
+logger = logging.getLogger("kwplug._plugins._manager")
 
 
 @attrs.frozen
@@ -50,92 +59,310 @@ class Answer:
     asked: tuple[str, ...]
 
 
-@attrs.define
-class Recording:
-    """What one hook call did, implementation by implementation (filled in as they are called).
+def revalidate(handler: Any) -> None:
+    """Run ``handler``'s field validators again, if it is a :class:`~kwplug.KwargsHandler`.
 
-    Attributes:
-        hook: the hook name.
-        impls: the implementations to call, in pluggy's storage order (the last is called
-            first).
-        answers: ``(registered name, answer)`` per implementation called, in call order.
+    attrs validates at construction and on assignment, not when a mutable value is changed in
+    place (``h.schedule_option["active"] = -5``); every hook call checks again, so that such a
+    value never reaches torch.
+
+    Raises:
+        TypeError, ValueError: a field no longer passes its validator; the message names the
+            handler class and says it was changed after construction.
     """
+    if isinstance(handler, KwargsHandler) and attrs.has(type(handler)):
+        _revalidate(handler)
 
-    hook: str
-    impls: list[pluggy.HookImpl] = attrs.field(factory=list)
-    answers: list[tuple[str, Any]] = attrs.field(factory=list)
-    _describe: Callable[[str], str] = attrs.field(default=str, repr=False)
-    _third_party: Callable[[str], bool] = attrs.field(default=bool, repr=False)
-    _twins: list[pluggy.HookImpl] | None = attrs.field(default=None, init=False, repr=False)
+
+def _revalidate(handler: KwargsHandler) -> None:
+    try:
+        attrs.validate(handler)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(
+            f"{type(handler).__qualname__} was changed after construction and is no longer "
+            f"valid: {exc}"
+        ) from exc
+
+
+class Manager(Protocol):
+    """What :class:`HookCalls` needs of its plugin manager."""
 
     @property
-    def twins(self) -> list[pluggy.HookImpl]:
-        """The recording copies of :attr:`impls` handed to pluggy (made on first use, then the
-        same list): each plain implementation's function records its answer and names its
-        plugin when it raises; hook wrappers are passed as they are."""
-        if self._twins is None:
-            self._twins = [
-                impl
-                if impl.wrapper or impl.hookwrapper  # wraps the others' answers: not an answer
-                else copy_impl(impl, impl.plugin, _recorder(self, impl))
-                for impl in self.impls
+    def hook(self) -> pluggy.HookRelay: ...
+
+    @property
+    def plan(self) -> dict[str, Answer]: ...
+
+    def describe(self, name: str) -> str: ...
+
+    def is_third_party(self, name: str) -> bool: ...
+
+    def _hookexec(
+        self,
+        hook_name: str,
+        methods: Sequence[pluggy.HookImpl],
+        kwargs: Mapping[str, object],
+        firstresult: bool,
+    ) -> object | list[object]: ...
+
+
+class _Twins:
+    # A hook's registered implementations as they were (to tell when they change), whether
+    # one is a wrapper, the handlers that every call re-validates and, once a watched call
+    # needed them, their recording twins (wrappers as they are).
+    # A plain class: attrs' frozen __init__ costs a microsecond per hook per Accelerator.
+    __slots__ = ("handlers", "impls", "source", "wrapped")
+
+    def __init__(self, source: list[pluggy.HookImpl]) -> None:
+        self.source = source
+        self.impls: list[pluggy.HookImpl] | None = None
+        self.wrapped = any(i.wrapper or i.hookwrapper for i in source)
+        self.handlers = _handlers(source)
+
+
+class HookCalls:
+    """One manager's hook caller: it records (who answered what), runs (pluggy's
+    ``_hookexec``) and answers (:class:`Answer`, or each plugin's answer).
+
+    The recording twins are shared; what a call records is kept per thread, so that calls
+    from two threads never mix their answers.
+    """
+
+    __slots__ = ("_pm", "_running", "_twins")
+
+    def __init__(self, pm: Manager) -> None:
+        """The caller of ``pm``'s hooks."""
+        self._pm = pm
+        # Hook name -> its recording twins, from its second call on (None: called once).
+        self._twins: dict[str, _Twins | None] = {}
+        # Thread id -> its calls in progress, innermost last: (implementations handed to
+        # pluggy, answers so far). A plain dict: a threading.local per manager made the
+        # garbage collector's work per discarded Accelerator several times larger.
+        self._running: dict[int, list[tuple[list[pluggy.HookImpl], list[tuple[str, Any]]]]] = {}
+
+    @property
+    def running(self) -> list[tuple[list[pluggy.HookImpl], list[tuple[str, Any]]]]:
+        """``(implementations handed to pluggy, answers so far)`` of this thread's calls in
+        progress, innermost last (the trace logger reads who answered from it)."""
+        return self._running.get(get_ident(), [])
+
+    # -- the three kinds of call ---------------------------------------------------------
+
+    def first(self, hook: str, kwargs: dict[str, Any]) -> Any:
+        """Call ``firstresult`` hook ``hook``; record who answered in the manager's ``plan``
+        and return the answer (``None``: every plugin declined).
+
+        Raises:
+            kwplug.errors.PluginHookError: a third-party implementation raised.
+            Exception: whatever a built-in or user handler's implementation raised (with a
+                note naming it, on Python >= 3.11).
+        """
+        twins = self._twins_of(hook)
+        for handler in twins.handlers:
+            _revalidate(handler)
+        if twins.wrapped:  # a wrapper may change the answer: no provenance to report
+            result = getattr(self._pm.hook, hook)(**kwargs)
+            self._pm.plan[hook] = Answer(hook, result, None, ())
+            return result
+        answers = self._run(hook, twins, (), kwargs, True)
+        answer = _answer(hook, answers)
+        self._pm.plan[hook] = answer
+        if logger.isEnabledFor(logging.DEBUG):
+            who = self._pm.describe(answer.plugin or "no plugin")
+            logger.debug("hook %s answered by %s", hook, who)
+        return answer.result
+
+    def first_with(
+        self, extra: Sequence[Callable[..., Any]], hook: str, kwargs: dict[str, Any]
+    ) -> Any:
+        """Like :meth:`first`, with the functions ``extra`` (a per-call handler's methods)
+        answering before every registered implementation, and nothing recorded in ``plan``.
+
+        Raises:
+            kwplug.errors.PluginHookError: see :meth:`first`.
+        """
+        twins = self._twins_of(hook)
+        for handler in twins.handlers:
+            _revalidate(handler)
+        if twins.wrapped:
+            caller = getattr(self._pm.hook, hook)
+            return caller.call_extra(list(extra), kwargs) if extra else caller(**kwargs)
+        # Per-call handlers answer before every registered plugin: pluggy calls the last first.
+        added = [_per_call_impl(f) for f in reversed(extra)]
+        return _answer(hook, self._run(hook, twins, added, kwargs, True)).result
+
+    def each(
+        self, hook: str, kwargs: dict[str, Any], only: Callable[[str], bool] | None = None
+    ) -> list[tuple[str, Any]]:
+        """Call collecting (not ``firstresult``) hook ``hook``: ``(registered name, answer)``
+        per plugin called, in call order (``None`` answers included).
+
+        Args:
+            hook: the hook name.
+            kwargs: the hook's arguments.
+            only: which registered names to call (default: all).
+
+        Raises:
+            kwplug.errors.PluginHookError: see :meth:`first`.
+        """
+        twins = self._twins_of(hook)
+        if only is None:
+            handlers = twins.handlers
+        else:
+            twins = _Twins([i for i in twins.source if only(i.plugin_name)])
+            handlers = twins.handlers
+        for handler in handlers:
+            _revalidate(handler)
+        return self._run(hook, twins, (), kwargs, False)
+
+    # -- record and run ------------------------------------------------------------------
+
+    def _run(
+        self,
+        hook: str,
+        twins: _Twins,
+        added: Sequence[pluggy.HookImpl],
+        kwargs: dict[str, Any],
+        firstresult: bool,
+    ) -> list[tuple[str, Any]]:
+        # ``added``: plain implementations called before every registered one (per-call
+        # handlers), not kept with the twins.
+        if not twins.wrapped and not _watched(self._pm):
+            return self._plain(hook, [*twins.source, *added], kwargs, firstresult)
+        if twins.impls is None:
+            twins.impls = [
+                i if i.wrapper or i.hookwrapper else self._twin(i, hook) for i in twins.source
             ]
-        return self._twins
+        impls = [*twins.impls, *(self._twin(i, hook) for i in added)]
+        answers: list[tuple[str, Any]] = []
+        thread = get_ident()
+        calls = self._running.get(thread)
+        if calls is None:
+            calls = self._running[thread] = []
+        calls.append((impls, answers))
+        try:
+            self._pm._hookexec(hook, impls, kwargs, firstresult)
+        finally:
+            calls.pop()
+            if not calls:
+                del self._running[thread]
+        return answers
 
-    def handed(self, impls: Sequence[pluggy.HookImpl]) -> bool:
-        """Whether ``impls`` is the list of :attr:`twins` handed to pluggy for this call."""
-        return self._twins is impls
+    def _plain(
+        self, hook: str, impls: list[pluggy.HookImpl], kwargs: Mapping[str, Any], firstresult: bool
+    ) -> list[tuple[str, Any]]:
+        # pluggy's _multicall for plain implementations (same order, arguments, firstresult
+        # short cut and HookCallError), recording each answer and naming a failing plugin as
+        # the twins do.
+        answers: list[tuple[str, Any]] = []
+        for impl in reversed(impls):
+            try:
+                args = [kwargs[name] for name in impl.argnames]
+                kw = {n: kwargs[n] for n in impl.kwargnames if n in kwargs} or None
+            except KeyError as e:
+                raise pluggy.HookCallError(f"hook call must provide argument {e.args[0]!r}") from e
+            try:
+                result = impl.function(*args) if kw is None else impl.function(*args, **kw)
+            except Exception as exc:
+                error = self._failed(exc, impl.plugin_name, hook)
+                if error is exc:
+                    raise
+                raise error from exc
+            answers.append((impl.plugin_name, result))
+            if result is not None and firstresult:
+                break
+        return answers
 
-    def answer(self) -> Answer:
-        """The :class:`Answer` of a ``firstresult`` call: the last implementation called
-        answered, unless every one declined."""
-        asked = tuple(name for name, _ in self.answers)
-        if self.answers and self.answers[-1][1] is not None:
-            name, result = self.answers[-1]
-            return Answer(self.hook, result, name, asked)
-        return Answer(self.hook, None, None, asked)
-
-    def failed(self, impl: pluggy.HookImpl, exc: Exception) -> Exception:
-        """What a plain implementation's exception ``exc`` becomes: a third-party plugin's is
-        wrapped in :class:`~kwplug.errors.PluginHookError` naming it (raise it ``from exc``);
-        a built-in's or user handler's gets a note naming the plugin (Python >= 3.11) and is
-        returned as it is."""
-        name = impl.plugin_name
-        where = f"hook {self.hook!r} of {self._describe(name)}"
-        if self._third_party(name):
+    def _failed(self, exc: Exception, name: str, hook: str) -> Exception:
+        # What a plain implementation's exception becomes: a third-party plugin's is wrapped
+        # in PluginHookError naming it; a built-in's or user handler's gets a note naming the
+        # plugin (Python >= 3.11) and is returned as it is (the caller re-raises it).
+        where = f"hook {hook!r} of {self._pm.describe(name)}"
+        if self._pm.is_third_party(name):
             return PluginHookError(
-                f"{where} raised {type(exc).__name__}: {exc}", plugin=name, hook=self.hook
+                f"{where} raised {type(exc).__name__}: {exc}", plugin=name, hook=hook
             )
         if hasattr(exc, "add_note"):
             exc.add_note(f"(raised by {where})")
         return exc
 
+    def _twins_of(self, hook: str) -> _Twins:
+        source: list[pluggy.HookImpl] = getattr(self._pm.hook, hook)._hookimpls
+        twins = self._twins.get(hook)
+        if twins is None or twins.source != source:  # HookImpl compares by identity
+            if hook in self._twins:  # asked again: keep the twins for the next calls
+                twins = self._twins[hook] = _Twins(list(source))
+            else:  # the first call (most hooks are asked once per Accelerator): nothing kept,
+                twins = _Twins(source)  # so that a discarded manager is little garbage
+                self._twins[hook] = None
+        return twins
 
-def per_call_impl(function: Callable[..., Any]) -> pluggy.HookImpl:
-    """A plain implementation for a per-call handler's bound method (not registered)."""
+    def _twin(self, impl: pluggy.HookImpl, hook: str) -> pluggy.HookImpl:
+        # A copy of a plain implementation whose function records its answer in the running
+        # call and names the plugin when it raises: a third-party plugin's exception becomes
+        # PluginHookError, a built-in's or user handler's gets a note (Python >= 3.11).
+        # ``impl.function`` is read at each call, so that a function swapped in later runs.
+        name, running = impl.plugin_name, self._running
+
+        def call(*args: Any, **kwargs: Any) -> Any:  # keywords: pluggy's ``kwargnames``
+            try:
+                result = impl.function(*args, **kwargs)
+            except Exception as exc:
+                error = self._failed(exc, name, hook)
+                if error is exc:
+                    raise
+                raise error from exc
+            running[get_ident()][-1][1].append((name, result))
+            return result
+
+        return copy_impl(impl, impl.plugin, call)
+
+
+def _answer(hook: str, answers: list[tuple[str, Any]]) -> Answer:
+    # A firstresult call's Answer: the last implementation called answered, unless every one
+    # declined.
+    asked = tuple(name for name, _ in answers)
+    if answers and answers[-1][1] is not None:
+        name, result = answers[-1]
+        return Answer(hook, result, name, asked)
+    return Answer(hook, None, None, asked)
+
+
+def _handlers(impls: Sequence[pluggy.HookImpl]) -> tuple[KwargsHandler, ...]:
+    # The attrs handlers among the implementations' plugins, in storage order (re-validated
+    # at each call; a per-call handler has plugin None and was checked by the caller).
+    return tuple(
+        i.plugin for i in impls if isinstance(i.plugin, KwargsHandler) and attrs.has(type(i.plugin))
+    )
+
+
+def _per_call_impl(function: Callable[..., Any]) -> pluggy.HookImpl:
+    # A plain implementation for a per-call handler's bound method (not registered).
     return pluggy.HookImpl(None, PER_CALL, function, _PLAIN_OPTS)
 
 
-def has_wrappers(impls: Sequence[pluggy.HookImpl]) -> bool:
-    """Whether any implementation is a (new- or old-style) hook wrapper."""
-    return any(i.wrapper or i.hookwrapper for i in impls)
+_PLAIN_OPTS: pluggy.HookimplOpts = {
+    "wrapper": False,
+    "hookwrapper": False,
+    "optionalhook": False,
+    "tryfirst": False,
+    "trylast": False,
+    "specname": None,
+}
 
 
-def record(
-    hook_name: str,
-    impls: Sequence[pluggy.HookImpl],
-    describe: Callable[[str], str],
-    third_party: Callable[[str], bool],
-) -> Recording:
-    """A :class:`Recording` of a call of ``impls`` (pluggy's storage order: the last is called
-    first).
+# pluggy's own executor: a manager whose _inner_hookexec is still this one is not traced.
+_MULTICALL: Any = getattr(pluggy.PluginManager(PER_CALL), "_inner_hookexec", None)
 
-    Each plain implementation (hook wrappers are not answers) appends ``(registered name,
-    answer)`` to the recording when called and, when it raises, a third-party plugin's
-    exception is wrapped in :class:`~kwplug.errors.PluginHookError` naming it, or a note naming
-    the plugin (Python >= 3.11) is added to a built-in's or user handler's.
-    """
-    return Recording(hook_name, list(impls), describe=describe, third_party=third_party)
+
+def _watched(pm: Any) -> bool:
+    # Anything between _hookexec and pluggy's _multicall: tracing, monitoring, an override.
+    return (
+        _MULTICALL is None
+        or getattr(pm, "_inner_hookexec", None) is not _MULTICALL
+        or type(pm)._hookexec is not pluggy.PluginManager._hookexec
+        or "_hookexec" in vars(pm)
+    )
 
 
 # HookImpl's attributes, copied one by one through their slot descriptors: several times faster
@@ -168,83 +395,3 @@ def copy_impl(impl: pluggy.HookImpl, plugin: Any, function: Callable[..., Any]) 
     _SET_PLUGIN(twin, plugin)
     _SET_FUNCTION(twin, function)
     return twin
-
-
-def _recorder(recording: Recording, impl: pluggy.HookImpl) -> Callable[..., Any]:
-    function, name = impl.function, impl.plugin_name
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            result = function(*args, **kwargs)
-        except Exception as exc:
-            error = recording.failed(impl, exc)
-            if error is exc:
-                raise
-            raise error from exc
-        recording.answers.append((name, result))
-        return result
-
-    return call
-
-
-_PLAIN_OPTS: pluggy.HookimplOpts = {
-    "wrapper": False,
-    "hookwrapper": False,
-    "optionalhook": False,
-    "tryfirst": False,
-    "trylast": False,
-    "specname": None,
-}
-
-
-def call_recorded(
-    pm: pluggy.PluginManager, recording: Recording, kwargs: Mapping[str, Any], firstresult: bool
-) -> None:
-    """Run ``recording``'s implementations; the answers land in ``recording``.
-
-    When nothing watches ``pm``'s hook calls (no ``enable_tracing()``, no
-    ``add_hookcall_monitoring()``, ``_hookexec`` not overridden) and no implementation is a
-    hook wrapper, they are called here, as pluggy's ``_multicall`` would call them (same
-    order, arguments, ``firstresult`` short cut and :class:`pluggy.HookCallError`), without
-    making recording copies. Otherwise the copies (:attr:`Recording.twins`) go through
-    ``pm._hookexec``, so that monitoring and tracing see the call.
-    """
-    if not _watched(pm) and not any(i.wrapper or i.hookwrapper for i in recording.impls):
-        _call_plain(recording, kwargs, firstresult)
-        return
-    pm._hookexec(recording.hook, recording.twins, dict(kwargs), firstresult)
-
-
-# pluggy's own executor: a manager whose _inner_hookexec is still this one is not traced.
-_MULTICALL: Any = getattr(pluggy.PluginManager(PER_CALL), "_inner_hookexec", None)
-
-
-def _watched(pm: pluggy.PluginManager) -> bool:
-    # Anything between _hookexec and pluggy's _multicall: tracing, monitoring, an override.
-    return (
-        _MULTICALL is None
-        or getattr(pm, "_inner_hookexec", None) is not _MULTICALL
-        or type(pm)._hookexec is not pluggy.PluginManager._hookexec
-        or "_hookexec" in vars(pm)
-    )
-
-
-def _call_plain(recording: Recording, kwargs: Mapping[str, Any], firstresult: bool) -> None:
-    # pluggy's _multicall for plain implementations only, recording each answer.
-    answers = recording.answers
-    for impl in reversed(recording.impls):
-        try:
-            args = [kwargs[name] for name in impl.argnames]
-            kw = {n: kwargs[n] for n in impl.kwargnames if n in kwargs} or None
-        except KeyError as e:
-            raise pluggy.HookCallError(f"hook call must provide argument {e.args[0]!r}") from e
-        try:
-            result = impl.function(*args) if kw is None else impl.function(*args, **kw)
-        except Exception as exc:
-            error = recording.failed(impl, exc)
-            if error is exc:
-                raise
-            raise error from exc
-        answers.append((impl.plugin_name, result))
-        if result is not None and firstresult:
-            return

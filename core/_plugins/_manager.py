@@ -2,9 +2,11 @@
 
 :class:`KwplugPluginManager` is a ``pluggy.PluginManager`` for project ``kwplug`` with the hook
 specs added. On top of pluggy it owns, per registered name, a human description (for messages)
-and whether the plugin is a third-party default, and it calls hooks with provenance
-(:meth:`~KwplugPluginManager.call_first`, :meth:`~KwplugPluginManager.call_each`,
-:meth:`~KwplugPluginManager.call_with`) through pluggy's own ``_hookexec``, so that
+and whether the plugin is a third-party default, and it calls hooks with provenance through
+typed relays (``pm.first.<hook>(...)``, ``pm.each.<hook>(...)``,
+:meth:`~KwplugPluginManager.first_with`, :meth:`~KwplugPluginManager.each_of`;
+:mod:`kwplug._plugins._relays`) and its one caller
+(:class:`~kwplug._plugins._calls.HookCalls`) through pluggy's own ``_hookexec``, so that
 ``enable_tracing()`` and ``add_hookcall_monitoring()`` see every call. With
 ``KWPLUG_TRACE_PLUGINS=1`` every hook call, who answered and with what is logged (level
 ``INFO``) on the ``kwplug.trace`` logger.
@@ -12,26 +14,19 @@ and whether the plugin is a third-party default, and it calls hooks with provena
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
-import attrs
 import pluggy
 
-from kwplug._plugins._calls import (
-    PER_CALL,
-    Answer,
-    Recording,
-    call_recorded,
-    has_wrappers,
-    per_call_impl,
-    record,
-)
+from kwplug._plugins._calls import PER_CALL, Answer, HookCalls, revalidate
 from kwplug._plugins._conflicts import conflict_error, find_conflicts
 from kwplug._plugins._records import PluginRecord, loaded, plugin_object
+from kwplug._plugins._relays import EachRelay, FirstRelay
 from kwplug._plugins._rules import require_handler_instance, validate_hookimpls
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import PROJECT_NAME, HandlerSpec
@@ -44,28 +39,6 @@ logger = logging.getLogger(__name__)
 _NO_OPTS: Any = object()
 
 
-def revalidate(handler: Any) -> None:
-    """Run ``handler``'s field validators again, if it is a :class:`~kwplug.KwargsHandler`.
-
-    attrs validates at construction and on assignment, not when a mutable value is changed in
-    place (``h.schedule_option["active"] = -5``); every hook call checks again, so that such a
-    value never reaches torch.
-
-    Raises:
-        TypeError, ValueError: a field no longer passes its validator; the message names the
-            handler class and says it was changed after construction.
-    """
-    if not isinstance(handler, KwargsHandler) or not attrs.has(type(handler)):
-        return
-    try:
-        attrs.validate(handler)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(
-            f"{type(handler).__qualname__} was changed after construction and is no longer "
-            f"valid: {exc}"
-        ) from exc
-
-
 class KwplugPluginManager(pluggy.PluginManager):
     """``pluggy.PluginManager`` of project ``kwplug``: registered names, their descriptions
     and third-party status, and hook calls that report who answered.
@@ -75,8 +48,10 @@ class KwplugPluginManager(pluggy.PluginManager):
     precedence.
 
     Attributes:
-        plan: which plugin answered each ``firstresult`` hook called through :meth:`call_first`
+        plan: which plugin answered each ``firstresult`` hook called through :attr:`first`
             (hook name -> :class:`Answer`); per-call handlers do not replace these answers.
+        first: :class:`~kwplug._plugins._relays.FirstRelay`, the one-answer hooks by name.
+        each: :class:`~kwplug._plugins._relays.EachRelay`, the collecting hooks by name.
     """
 
     # pluggy inspects every attribute of a plugin at each ``register``
@@ -97,8 +72,12 @@ class KwplugPluginManager(pluggy.PluginManager):
             self.add_hookspecs(HandlerSpec)
         self._descriptions: dict[str, str] = {}
         self._third_party: set[str] = set()
-        self._recordings: list[Recording] = []
         self.plan: dict[str, Answer] = {}
+        self._calls = HookCalls(self)
+        #: The one-answer hooks, by name: ``plugins.first.autocast(device_type=...)``.
+        self.first = FirstRelay(self._calls.first)
+        #: The collecting hooks, by name: ``plugins.each.comm_hooks()``.
+        self.each = EachRelay(self._calls.each)
         if os.environ.get(TRACE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
             self.add_hookcall_monitoring(self._trace_before, self._trace_after)
 
@@ -208,52 +187,29 @@ class KwplugPluginManager(pluggy.PluginManager):
 
     # -- hook calls --------------------------------------------------------------------------
 
-    def call_first(self, hook: str, /, **kwargs: Any) -> Answer:
-        """Call ``firstresult`` hook ``hook`` with ``kwargs``; record and return who answered.
-
-        Raises:
-            kwplug.errors.PluginHookError: a third-party implementation raised.
-            Exception: whatever a built-in or user handler's implementation raised (with a
-                note naming it, on Python >= 3.11).
-        """
-        answer = self._first(hook, (), kwargs)
-        self.plan[hook] = answer
-        return answer
-
-    def call_with(self, handler: KwargsHandler | None, hook: str, /, **kwargs: Any) -> Answer:
-        """Like :meth:`call_first`, with ``handler``'s implementations answering before every
+    def first_with(self, handler: KwargsHandler | None) -> FirstRelay:
+        """:attr:`first`, with ``handler``'s implementations answering before every
         registered one, without registering it (``accelerator.autocast(handler)``). With
-        ``handler=None`` this is :meth:`call_first`. A per-call answer is not recorded in
+        ``handler=None`` this is :attr:`first`; otherwise the answers are not recorded in
         :attr:`plan`.
 
-        Raises:
+        Raises (at the call):
             TypeError: ``handler`` is not a handler instance.
-            kwplug.errors.PluginHookError: see :meth:`call_first`.
         """
         if handler is None:
-            return self.call_first(hook, **kwargs)
-        require_handler_instance(handler, f"the {hook} handler")
-        revalidate(handler)
-        return self._first(hook, self._methods_of(handler, hook), kwargs)
+            return self.first
+        calls, methods_of = self._calls, self._methods_of
 
-    def call_each(
-        self, hook: str, /, *, only: Callable[[str], bool] | None = None, **kwargs: Any
-    ) -> list[tuple[str, Any]]:
-        """Call collecting (not ``firstresult``) hook ``hook``; ``(registered name, answer)``
-        per plugin called, in call order (``None`` answers included).
+        def ask(hook: str, kwargs: dict[str, Any]) -> Any:
+            require_handler_instance(handler, f"the {hook} handler")
+            revalidate(handler)
+            return calls.first_with(methods_of(handler, hook), hook, kwargs)
 
-        Args:
-            hook: the hook name.
-            only: which registered names to call (default: all).
-            kwargs: the hook's arguments.
+        return FirstRelay(ask)
 
-        Raises:
-            kwplug.errors.PluginHookError: see :meth:`call_first`.
-        """
-        impls = [i for i in self.hook_impls(hook) if only is None or only(i.plugin_name)]
-        recording = self._record(hook, impls)
-        self._run(recording, kwargs, firstresult=False)
-        return recording.answers
+    def each_of(self, name: str) -> EachRelay:
+        """:attr:`each`, asking only the plugin registered as ``name``."""
+        return EachRelay(functools.partial(self._calls.each, only=name.__eq__))
 
     def conflicts(self, device_type: str) -> dict[str, str]:
         """Hook name -> the third-party default plugins (described) that all claim it for
@@ -272,35 +228,6 @@ class KwplugPluginManager(pluggy.PluginManager):
             raise conflict_error(found, device_type)
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _first(
-        self, hook: str, extra: Sequence[Callable[..., Any]], kwargs: Mapping[str, Any]
-    ) -> Answer:
-        caller = getattr(self.hook, hook)
-        impls = self.hook_impls(hook)
-        if has_wrappers(impls):  # a wrapper may change the answer: no provenance to report
-            for impl in impls:
-                revalidate(impl.plugin)
-            result = caller.call_extra(list(extra), dict(kwargs)) if extra else caller(**kwargs)
-            return Answer(hook, result, None, ())
-        # Per-call handlers answer before every registered plugin: pluggy calls the last first.
-        recording = self._record(hook, [*impls, *(per_call_impl(f) for f in reversed(extra))])
-        self._run(recording, kwargs, firstresult=True)
-        answer = recording.answer()
-        logger.debug("hook %s answered by %s", hook, self.describe(answer.plugin or "no plugin"))
-        return answer
-
-    def _record(self, hook: str, impls: Sequence[pluggy.HookImpl]) -> Recording:
-        return record(hook, impls, self.describe, self.is_third_party)
-
-    def _run(self, recording: Recording, kwargs: Mapping[str, Any], *, firstresult: bool) -> None:
-        for impl in recording.impls:
-            revalidate(impl.plugin)  # None for a per-call handler: call_with checked it
-        self._recordings.append(recording)  # for the trace: who answered this call
-        try:
-            call_recorded(self, recording, kwargs, firstresult)
-        finally:
-            self._recordings.pop()
 
     def _methods_of(self, plugin: object, hook: str) -> list[Callable[..., Any]]:
         # Bound methods of ``plugin`` marked @kwplug.hookimpl for ``hook``.
@@ -327,10 +254,10 @@ class KwplugPluginManager(pluggy.PluginManager):
         if outcome.exception is not None:
             trace_logger.info("hook %s raised %r", hook, outcome.exception)
             return
-        recording = self._recordings[-1] if self._recordings else None
-        if recording is None or not recording.handed(impls):  # a plain pm.hook.<name>() call
+        running = self._calls.running[-1] if self._calls.running else None
+        if running is None or running[0] is not impls:  # a plain pm.hook.<name>() call
             trace_logger.info("hook %s returned %r", hook, outcome.get_result())
             return
-        for name, answer in recording.answers:
+        for name, answer in running[1]:
             who = "the per-call handler" if name == PER_CALL else self.describe(name)
             trace_logger.info("hook %s answered by %s: %r", hook, who, answer)

@@ -2,7 +2,10 @@
 
 The package keeps one concern per private module:
 
-- ``_facade``: the public :class:`Accelerator`, each method a delegation;
+- ``_facade``: the public :class:`Accelerator`, each method a delegation; its base classes
+  hold the rest of its methods, one concern each: ``_api_prepare``, ``_api_training``,
+  ``_api_tracking``, ``_api_saving``, ``_api_process``;
+- ``_gradient_state``: the per-Accelerator :class:`GradientState`;
 - ``_setup``: resolves arguments, process, device, plugins, comm hooks, autocast factory and
   scaler once, into a frozen object (hooks called through the ``KwplugPluginManager``);
 - ``_prepare``: prepares models, optimizers and data loaders and keeps them;
@@ -18,6 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from kwplug._lazy import BUILTIN_HANDLERS
 from kwplug.accelerator._facade import Accelerator
 from kwplug.accelerator._setup import MIXED_PRECISION
 
@@ -35,11 +39,7 @@ _REEXPORTS = {
     "GradientAccumulationPlugin": "kwplug.utils",
     "ProjectConfiguration": "kwplug.utils",
     "DistributedType": "kwplug.utils",
-    "AutocastKwargs": "kwplug",
-    "DistributedDataParallelKwargs": "kwplug",
-    "GradScalerKwargs": "kwplug",
-    "InitProcessGroupKwargs": "kwplug",
-    "ProfileKwargs": "kwplug",
+    **dict.fromkeys(BUILTIN_HANDLERS, "kwplug"),
     "KwargsHandler": "kwplug",
 }
 

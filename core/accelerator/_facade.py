@@ -14,14 +14,16 @@ import torch
 from kwplug._environment import end_process_group
 from kwplug._plugins import Answer, KwplugPluginManager
 from kwplug.accelerator import _metrics, _ops
-from kwplug.accelerator._accumulation import GradientState, _GradientAccumulation
 from kwplug.accelerator._agreement import check_ranks_agree
-from kwplug.accelerator._io import _Checkpoints, _TrackersAndSaving
+from kwplug.accelerator._api_prepare import _PrepareAPI
+from kwplug.accelerator._api_process import _DataAndProcessAPI
+from kwplug.accelerator._api_saving import _SavingAPI
+from kwplug.accelerator._api_tracking import _TrackingAPI
+from kwplug.accelerator._api_training import _TrainingAPI
+from kwplug.accelerator._gradient_state import GradientState
 from kwplug.accelerator._keywords import check_bool
 from kwplug.accelerator._options import resolve_options
 from kwplug.accelerator._prepare import _Prepared
-from kwplug.accelerator._prepare_api import _PrepareAPI
-from kwplug.accelerator._process_api import _DataAndProcessAPI
 from kwplug.accelerator._setup import _Setup, resolve
 from kwplug.accelerator._tracking import LogWith, _Trackers
 from kwplug.comm_hooks import CommHook
@@ -34,9 +36,7 @@ from kwplug.utils.dataclasses import (
 )
 
 
-class Accelerator(
-    _PrepareAPI, _GradientAccumulation, _TrackersAndSaving, _Checkpoints, _DataAndProcessAPI
-):
+class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndProcessAPI):
     """Runs a training loop on the device and processes chosen by torchrun, through plugins.
 
     Every torch object it builds -- the process group, the autocast context, the gradient
@@ -72,13 +72,13 @@ class Accelerator(
             batches to :attr:`device`; ``False``: nothing is moved unless a ``prepare*``
             call's ``device_placement`` says so (as Accelerate).
 
-    Gradient accumulation (``accumulate``, ``no_sync``, ``backward``, clipping), trackers and
-    saving (``init_trackers``, ``log``, ``save_model``), data-loader, metrics and
-    process-control methods (``gather_for_metrics``, ``main_process_first``,
-    ``on_main_process``, ``state``...) come from the base classes ``_PrepareAPI``
-    (``prepare``, ``prepare_model``, ``prepare_optimizer``, ``prepare_data_loader``),
-    ``_GradientAccumulation``, ``_TrackersAndSaving``, ``_Checkpoints`` (``save_state``,
-    ``load_state``) and ``_DataAndProcessAPI``.
+    The rest of the methods come from the base classes, one concern each: ``_PrepareAPI``
+    (``prepare``, ``prepare_model``, ``prepare_optimizer``, ``prepare_data_loader``,
+    ``prepare_scheduler``), ``_TrainingAPI`` (``accumulate``, ``no_sync``, ``backward``,
+    clipping, ``join_uneven_inputs``), ``_TrackingAPI`` (``init_trackers``, ``log``,
+    ``logging_dir``), ``_SavingAPI`` (``save_model``, ``save_state``, ``load_state``,
+    ``project_dir``) and ``_DataAndProcessAPI`` (data-loader, metrics and process-control
+    methods: ``gather_for_metrics``, ``main_process_first``, ``on_main_process``, ``state``...).
 
     Attributes:
         device: the ``torch.device`` this process trains on (``device_type``: its type).
@@ -202,7 +202,7 @@ class Accelerator(
         ``use_distributed``)."""
         return self.use_distributed
 
-    # -- prepare, prepare_model, prepare_optimizer, prepare_data_loader: ._prepare_api ------
+    # -- prepare, prepare_model, prepare_optimizer, prepare_data_loader: ._api_prepare ------
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -223,12 +223,9 @@ class Accelerator(
         """
         if autocast_handler is None:
             return self._setup.autocast_factory()
-        factory = self.plugin_manager.call_with(
-            autocast_handler,
-            "autocast",
-            device_type=self.device_type,
-            mixed_precision=self.mixed_precision,
-        ).result
+        factory = self.plugin_manager.first_with(autocast_handler).autocast(
+            device_type=self.device_type, mixed_precision=self.mixed_precision
+        )
         return (factory or contextlib.nullcontext)()
 
     # -- distributed helpers (kwplug.accelerator._ops) ----------------------------------------
@@ -277,9 +274,9 @@ class Accelerator(
             TypeError: ``profile_handler`` is not a handler instance.
             RuntimeError: no plugin built a profiler.
         """
-        profiler = self.plugin_manager.call_with(
-            profile_handler, "make_profiler", device_type=self.device_type, rank=self.process_index
-        ).result
+        profiler = self.plugin_manager.first_with(profile_handler).make_profiler(
+            device_type=self.device_type, rank=self.process_index
+        )
         if profiler is None:
             raise RuntimeError("no plugin answered make_profiler (is ProfileKwargs blocked?)")
         with profiler as prof:
@@ -301,8 +298,8 @@ class Accelerator(
         self._prepared.clear()
         end_process_group()
 
-    # -- gradient accumulation: accumulate, no_sync, sync_gradients, backward, clip_grad_norm_,
-    # prepare_scheduler, project_dir... live in the base class (._accumulation).
+    # -- accumulate, no_sync, sync_gradients, backward, clip_grad_norm_...: ._api_training;
+    # trackers: ._api_tracking; save_model, save_state, project_dir...: ._api_saving.
 
     def __repr__(self) -> str:
         return (

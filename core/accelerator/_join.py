@@ -26,7 +26,7 @@ def sync_in_backward(
     plugins: KwplugPluginManager, model: torch.nn.Module
 ) -> contextlib.AbstractContextManager[Any]:
     """The ``sync_in_backward`` hook's context for ``model``; a null context if unanswered."""
-    context = plugins.call_first("sync_in_backward", model=model).result
+    context = plugins.first.sync_in_backward(model=model)
     return contextlib.nullcontext() if context is None else context
 
 

@@ -82,7 +82,7 @@ def resolve_options(
             (other than 1) and ``gradient_accumulation_plugin``; ``split_batches`` or
             ``even_batches`` together with ``dataloader_config``.
     """
-    from kwplug.accelerator._accumulation import _check_steps
+    from kwplug.accelerator._gradient_state import _check_steps
 
     _check_steps(gradient_accumulation_steps)
     _require(

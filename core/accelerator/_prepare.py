@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from kwplug._plugins import Answer
-from kwplug.accelerator._accumulation import GradientState
+from kwplug.accelerator._gradient_state import GradientState
 from kwplug.accelerator._options import _Options
 from kwplug.accelerator._params import ParameterRemap
 from kwplug.accelerator._precision import apply_mixed_precision
@@ -156,15 +156,14 @@ class _Prepared:
         if evaluation_mode:
             self.models.append(model)
             return model
-        wrapped = setup.plugins.call_first(
-            "wrap_model",
+        wrapped = setup.plugins.first.wrap_model(
             model=model,
             device=setup.device,
             device_type=setup.device.type,
             world_size=setup.process.world_size,
             mixed_precision=setup.mixed_precision,
             comm_hooks=setup.comm_hooks,
-        ).result
+        )
         if wrapped is not None and not isinstance(wrapped, torch.nn.Module):
             plugin = self.plan["wrap_model"].plugin or "?"
             raise TypeError(

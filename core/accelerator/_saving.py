@@ -47,9 +47,7 @@ def _peel(model: torch.nn.Module, plugins: KwplugPluginManager) -> torch.nn.Modu
     compiled = _compiled_inner(model)
     if compiled is not None:
         return compiled
-    answer = next(
-        (a for _, a in plugins.call_each("unwrap_model", model=model) if a is not None), None
-    )
+    answer = next((a for _, a in plugins.each.unwrap_model(model=model) if a is not None), None)
     if answer is None:
         return model
     if not isinstance(answer, torch.nn.Module):

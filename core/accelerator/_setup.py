@@ -94,8 +94,7 @@ def resolve(
     device = select_device(cpu, info.local_rank)
     plugins.check_conflicts(device.type)
     comm_hooks = _collect_comm_hooks(plugins)
-    plugins.call_each(
-        "validate_setup",
+    plugins.each.validate_setup(
         device_type=device.type,
         world_size=info.world_size,
         mixed_precision=mixed_precision,
@@ -107,15 +106,12 @@ def resolve(
         _destroy_process_group_at_exit()
 
     autocast_factory: AutocastFactory = (
-        plugins.call_first(
-            "autocast", device_type=device.type, mixed_precision=mixed_precision
-        ).result
+        plugins.first.autocast(device_type=device.type, mixed_precision=mixed_precision)
         or contextlib.nullcontext
     )
-    scaling = plugins.call_first(
-        "make_scaler", device_type=device.type, mixed_precision=mixed_precision
-    )
-    loss_scaler = check_loss_scaler(scaling.result, plugins.describe(scaling.plugin or ""))
+    scaler = plugins.first.make_scaler(device_type=device.type, mixed_precision=mixed_precision)
+    scaling = plugins.plan["make_scaler"]  # who answered, for the check's message
+    loss_scaler = check_loss_scaler(scaler, plugins.describe(scaling.plugin or ""))
     require_features(plugins, mixed_precision, info.world_size, device.type)
     logger.debug(
         "Accelerator on %s, rank %d/%d, mixed_precision=%s, plugins: %s",
@@ -140,20 +136,19 @@ def resolve(
 
 def _collect_comm_hooks(plugins: KwplugPluginManager) -> dict[str, CommHook]:
     # Answer by answer, so that a duplicate name can be blamed on the plugin that gave it.
-    answers = plugins.call_each("comm_hooks")
+    answers = plugins.each.comm_hooks()
     return merge_comm_hooks([(plugins.describe(name), answer) for name, answer in answers])
 
 
 def _init_process_group(
     plugins: KwplugPluginManager, info: ProcessInfo, device_type: str
 ) -> ProcessInfo:
-    done = plugins.call_first(
-        "init_process_group",
+    done = plugins.first.init_process_group(
         device_type=device_type,
         world_size=info.world_size,
         rank=info.rank,
         local_rank=info.local_rank,
-    ).result
+    )
     if not done or not dist.is_initialized():
         raise RuntimeError(
             f"WORLD_SIZE={info.world_size} but no plugin initialised the process group "

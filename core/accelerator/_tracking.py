@@ -59,7 +59,7 @@ class _Trackers:
                 )
         factories: dict[str, TrackerFactory] = {}
         if any(isinstance(item, str) for item in items):
-            answers = plugins.call_each("trackers")
+            answers = plugins.each.trackers()
             factories = merge_trackers([(plugins.describe(n), a) for n, a in answers])
         selected: list[str | GeneralTracker] = []
         for item in items:

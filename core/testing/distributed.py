@@ -27,6 +27,7 @@ from typing import Any
 from kwplug import _forked
 from kwplug.errors import DistributedRunError
 from kwplug.testing.sandbox import active_environment
+from kwplug.validators import is_int
 
 #: Environment variables of an enclosing torchrun job that must not leak into the child job.
 _TORCHRUN_VARIABLES = (
@@ -62,7 +63,7 @@ def torchrun_command(
     Raises:
         ValueError: ``nproc < 1``.
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+    if not is_int(nproc) or nproc < 1:
         raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
     rendezvous: list[str] = []
     if not any(a.startswith("--rdzv-backend") for a in torchrun_args):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kwplug._lazy import exporter
+from kwplug._lazy import BUILTIN_HANDLERS, exporter
 
 if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.plugins import AutocastKwargs as AutocastKwargs
@@ -148,12 +148,8 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
 #: Public name -> the module that defines it (Accelerate's names only: a module may define
 #: more). The one list of this package's names: ``__all__`` and ``dir()`` derive from it.
 _EXPORTS: dict[str, str] = {
-    "AutocastKwargs": "kwplug.plugins",
+    **dict.fromkeys(BUILTIN_HANDLERS, "kwplug.plugins"),
     "DDPCommunicationHookType": "kwplug.plugins",
-    "DistributedDataParallelKwargs": "kwplug.plugins",
-    "GradScalerKwargs": "kwplug.plugins",
-    "InitProcessGroupKwargs": "kwplug.plugins",
-    "ProfileKwargs": "kwplug.plugins",
     "DataLoaderConfiguration": "kwplug.utils.dataclasses",
     "DistributedType": "kwplug.utils.dataclasses",
     "RNGType": "kwplug.utils.dataclasses",

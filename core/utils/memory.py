@@ -16,6 +16,8 @@ from typing import Any, TypeVar, overload
 
 import torch
 
+from kwplug.validators import is_int
+
 __all__ = [
     "clear_device_cache",
     "find_executable_batch_size",
@@ -134,7 +136,7 @@ def find_executable_batch_size(
         RuntimeError: when the decorated function is called and the batch size reaches 0:
             ``"No executable batch size found, reached zero."``.
     """
-    if isinstance(starting_batch_size, bool) or not isinstance(starting_batch_size, int):
+    if not is_int(starting_batch_size):
         raise TypeError(f"starting_batch_size must be an int, got {starting_batch_size!r}")
     if starting_batch_size < 0:
         raise ValueError(f"starting_batch_size must be >= 0, got {starting_batch_size}")

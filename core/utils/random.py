@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kwplug._environment import ProcessInfo
+from kwplug.validators import is_int
 
 __all__ = ["set_seed", "synchronize_rng_state", "synchronize_rng_states"]
 
@@ -37,7 +38,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         TypeError: ``seed`` is not an ``int`` (a ``bool`` is refused), or a flag is not a bool.
         ValueError: the seed is outside ``[0, 2**32)``.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise TypeError(f"seed must be an int, got {seed!r} of type {type(seed).__name__}")
     for name, flag in (("device_specific", device_specific), ("deterministic", deterministic)):
         if not isinstance(flag, bool):

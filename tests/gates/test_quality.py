@@ -12,6 +12,8 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 TYPING_EXAMPLE = ROOT / "tests" / "typing" / "public_api.py"
+# Wrong hook calls, each with the ignore mypy must need for it (an unneeded one fails).
+TYPING_RELAYS = ROOT / "tests" / "typing" / "hook_relays.py"
 
 
 def run(*cmd: str) -> subprocess.CompletedProcess[str]:
@@ -43,6 +45,7 @@ def test_mypy_strict() -> None:
     require("mypy")
     bash = shutil.which("bash")
     assert bash is not None
-    # core/ and plugins/, plus a file using the public API as users and plugin authors do
-    result = run(bash, str(ROOT / ".ci" / "typecheck"), str(TYPING_EXAMPLE))
+    # core/ and plugins/, plus a file using the public API as users and plugin authors do, and
+    # the hook relays' call sites, right and wrong
+    result = run(bash, str(ROOT / ".ci" / "typecheck"), str(TYPING_EXAMPLE), str(TYPING_RELAYS))
     assert result.returncode == 0, result.stdout + result.stderr

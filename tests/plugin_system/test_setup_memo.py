@@ -74,3 +74,27 @@ def test_builtin_comm_hooks_are_a_new_dict_each_call() -> None:
     assert first == second and first is not second
     first.pop("fp16")
     assert "fp16" in builtin_comm_hooks()
+
+
+def test_is_int_refuses_bools_and_floats() -> None:
+    from kwplug.validators import is_int
+
+    assert is_int(0) and is_int(-3) and is_int(_Level.TWO)
+    assert not any(is_int(v) for v in (True, False, 1.0, "1", None))
+
+
+def test_the_core_checks_ints_through_validators() -> None:
+    # The bool-is-not-int rule is written once (kwplug.validators): no hand-written copy.
+    import pathlib
+    import re
+
+    core = pathlib.Path(__file__).parents[2] / "core"
+    pattern = re.compile(r"isinstance\((\w[\w.]*), bool\) or not isinstance\(\1, int\)")
+    found = [
+        f"{path.relative_to(core)}:{number}"
+        for path in sorted(core.rglob("*.py"))
+        if path.name != "validators.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == []

@@ -38,3 +38,23 @@ def test_type_checking_imports_match_the_exports_table(package: str) -> None:
     }
     assert _type_checking_imports(package) == exports
     assert sorted(set(module.__all__) - {"__version__"}) == sorted(exports)
+
+
+def test_the_builtin_handler_names_are_one_list() -> None:
+    from kwplug._lazy import BUILTIN_HANDLERS
+
+    plugins = importlib.import_module("kwplug.plugins")
+    assert set(BUILTIN_HANDLERS) <= set(plugins._EXPORTS)
+    for package in ("kwplug", "kwplug.utils", "kwplug.accelerator"):
+        module = importlib.import_module(package)
+        for name in BUILTIN_HANDLERS:
+            assert getattr(module, name) is getattr(plugins, name), (package, name)
+
+
+def test_data_loader_serves_every_kwplug_data_name() -> None:
+    data = importlib.import_module("kwplug.data")
+    data_loader = importlib.import_module("kwplug.data_loader")
+    assert set(data.__all__) <= set(data_loader.__all__)
+    for name in data_loader.__all__:
+        assert hasattr(data_loader, name), name
+    assert data_loader.BatchSamplerShard is data.BatchSamplerShard

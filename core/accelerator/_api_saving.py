@@ -1,6 +1,5 @@
-"""The Accelerator's trackers, model-saving and checkpoint methods (base classes of
-``Accelerator``): trackers through :mod:`._tracking`, files through :mod:`._saving`,
-checkpoints through :mod:`kwplug.checkpoint`."""
+"""The Accelerator's saving methods (a base class of ``Accelerator``): model files through
+:mod:`._saving`, checkpoints through :mod:`kwplug.checkpoint`."""
 
 from __future__ import annotations
 
@@ -14,51 +13,30 @@ import torch
 
 from kwplug._plugins import KwplugPluginManager
 from kwplug.accelerator import _keywords, _saving
-from kwplug.accelerator._tracking import _Trackers
 from kwplug.checkpoint import _naming
 from kwplug.checkpoint import _prehooks as prehooks
 from kwplug.checkpoint import _sources as sources
 from kwplug.checkpoint._runs import RunIdentity
-from kwplug.tracking import GeneralTracker
 from kwplug.utils.dataclasses import ProjectConfiguration
 
 if TYPE_CHECKING:
     from kwplug.accelerator import Accelerator
 
 
-class _TrackersAndSaving:
-    """``init_trackers``/``log``/``get_tracker`` and ``save``/``save_model``/``get_state_dict``/
-    ``unwrap_model`` of the Accelerator."""
+class _SavingAPI:
+    """``save``/``save_model``/``get_state_dict``/``unwrap_model``, ``project_dir``, and
+    ``register_for_checkpointing``, ``save_state``, ``load_state`` and their pre-hooks of the
+    Accelerator (:mod:`kwplug.checkpoint` does the checkpoints' work)."""
 
-    _trackers: _Trackers
     plugin_manager: KwplugPluginManager
     project_configuration: ProjectConfiguration
     process_index: int
     local_process_index: int
 
     @property
-    def trackers(self) -> list[GeneralTracker]:
-        """The trackers :meth:`init_trackers` started (none off the main process)."""
-        return list(self._trackers.started)
-
-    def init_trackers(
-        self, project_name: str, config: Mapping[str, Any] | None = None, init_kwargs: Any = None
-    ) -> None:
-        """Start the ``log_with`` trackers on the main process, store ``config`` in each;
-        ``init_kwargs[name]`` goes to that tracker's factory (see :mod:`kwplug.tracking`)."""
-        self._trackers.init(project_name, config, init_kwargs)
-
-    def log(
-        self, values: Mapping[str, Any], step: int | None = None, log_kwargs: Any = None
-    ) -> None:
-        """Log ``values`` at ``step`` to every started tracker (main process only);
-        ``log_kwargs[name]`` goes to that tracker's ``log``."""
-        self._trackers.log(values, step, log_kwargs)
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The started tracker ``name`` (its ``tracker`` object when ``unwrap``); a do-nothing
-        ``GeneralTracker`` off the main process. Raises ``ValueError`` for an unknown name."""
-        return self._trackers.get(name, unwrap)
+    def project_dir(self) -> str | None:
+        """``project_configuration.project_dir``: the folder for checkpoints, or ``None``."""
+        return self.project_configuration.project_dir
 
     def unwrap_model(
         self,
@@ -119,10 +97,7 @@ class _TrackersAndSaving:
         index = self.local_process_index if config.save_on_each_node else self.process_index
         return index == 0
 
-
-class _Checkpoints:
-    """``register_for_checkpointing``, ``save_state``, ``load_state`` and their pre-hooks of
-    the Accelerator (:mod:`kwplug.checkpoint` does the work)."""
+    # -- checkpoints ------------------------------------------------------------------------
 
     @functools.cached_property
     def _state_pre_hooks(self) -> prehooks.StatePreHooks:
@@ -187,12 +162,12 @@ class _Checkpoints:
 
         def handler_state() -> dict[str, Any]:
             # By registered plugin name, so that each plugin gets its own state back.
-            answers = plugins.call_each("handler_state")
+            answers = plugins.each.handler_state()
             return {name: state for name, state in answers if state is not None}
 
         def load_handler_state(saved: Mapping[str, Any]) -> None:
             for name, state in saved.items():
-                plugins.call_each("load_handler_state", only=name.__eq__, state=state)
+                plugins.each_of(name).load_handler_state(state=state)
 
         return sources.CheckpointSources(
             models=tuple(prepared.models),
@@ -213,8 +188,6 @@ class _Checkpoints:
             project_configuration=acc.project_configuration,
             run=self._checkpoint_run,
         )
-
-    project_configuration: ProjectConfiguration
 
     @property
     def save_iteration(self) -> int:

@@ -1,17 +1,20 @@
-"""``prepare``, ``prepare_model``, ``prepare_optimizer`` and ``prepare_data_loader`` of the
-Accelerator (a base class of ``Accelerator``), with Accelerate's keywords; the work is done by
-:class:`kwplug.accelerator._prepare._Prepared`."""
+"""``prepare``, ``prepare_model``, ``prepare_optimizer``, ``prepare_data_loader`` and
+``prepare_scheduler`` of the Accelerator (a base class of ``Accelerator``), with Accelerate's
+keywords; the work is done by :class:`kwplug.accelerator._prepare._Prepared`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from kwplug.accelerator import _keywords
 from kwplug.accelerator._prepare import _Prepared
+
+if TYPE_CHECKING:
+    from kwplug.scheduler import AcceleratedScheduler
 
 
 class _PrepareAPI:
@@ -134,3 +137,10 @@ class _PrepareAPI:
         return self._prepared.data_loader(
             data_loader, seed, device_placement=self._placement(device_placement)
         )
+
+    def prepare_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> Any:
+        """Wrap ``scheduler`` in an :class:`~kwplug.scheduler.AcceleratedScheduler` (stepped
+        once per process per optimizer step, see there) and save it with :meth:`save_state`.
+        """
+        wrapped: AcceleratedScheduler = self._prepared.scheduler(scheduler)
+        return wrapped
