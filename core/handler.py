@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import attrs
+
+from kwplug.validators import cut_error
 
 #: Field metadata key: ``attrs.field(metadata={TO_KWARGS: False})`` keeps a field out of
 #: :meth:`KwargsHandler.to_kwargs` (e.g. options consumed by kwplug itself, not by torch).
@@ -42,6 +46,16 @@ class KwargsHandler:
     register_default: ClassVar[bool] = True
     device_types: ClassVar[frozenset[str] | None] = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A validator's message echoes the value (attrs' own do): a 20 MB string would be
+        # printed whole. The methods attrs generates for a slotted class are in its dict
+        # here; each is wrapped so that a long message is cut (validators.cut_error).
+        for name in ("__init__", "__setattr__"):
+            method = vars(cls).get(name)
+            if callable(method) and _wrappable(method):
+                setattr(cls, name, _cutting(method))
+
     @classmethod
     def is_attrs_class(cls) -> bool:
         """True when ``cls`` itself is decorated with ``@attrs.define`` (not just inheriting
@@ -71,6 +85,30 @@ class KwargsHandler:
             and f.metadata.get(TO_KWARGS, True)
             and (value := getattr(self, f.name)) != defaults[f.name]
         }
+
+
+def _wrappable(method: Callable[..., Any]) -> bool:
+    # Not twice, and not a method using super() or __class__: attrs re-points that cell to
+    # the slotted class only for the functions in the class's dict.
+    code = getattr(method, "__code__", None)
+    return not hasattr(method, "_kwplug_cut") and (
+        code is None or "__class__" not in code.co_freevars
+    )
+
+
+def _cutting(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except (TypeError, ValueError) as exc:
+            short = cut_error(exc, (args, kwargs))
+            if short is None:
+                raise
+            raise short from None
+
+    call._kwplug_cut = True  # type: ignore[attr-defined]
+    return call
 
 
 _DEFAULTS: dict[type[KwargsHandler], dict[str, Any]] = {}

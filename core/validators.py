@@ -73,6 +73,59 @@ def cut_values(message: str, values: Any) -> str:
     return message
 
 
+#: The longest error message a cut one keeps, in characters (see :func:`cut_error`).
+MESSAGE_LIMIT = 4000
+
+
+def cut_error(exc: BaseException, values: Any) -> BaseException | None:
+    """A copy of ``exc`` whose message echoes no long value, or ``None`` when it is short.
+
+    attrs' validators (and torch's) put ``repr(value)`` in their messages, so a 20 MB string
+    passed as a handler field or an ``Accelerator`` keyword would be echoed whole. Each long
+    string or bytes in ``values`` (searched inside mappings, lists, tuples and sets, a few
+    levels deep) is replaced by :func:`shown`; what is still over :data:`MESSAGE_LIMIT` is cut.
+
+    Args:
+        exc: the ``TypeError``/``ValueError`` raised.
+        values: the arguments of the call that raised.
+
+    Returns:
+        An exception of ``exc``'s type with the cut message (its ``TypeError``/``ValueError``
+        base when that type cannot be built from a message alone); raise it ``from None``, so
+        that the long original is not printed as its context. ``None`` when ``exc``'s text is
+        at most :data:`MESSAGE_LIMIT` characters.
+    """
+    if len(str(exc)) <= MESSAGE_LIMIT:
+        return None
+    # attrs' validators raise TypeError(message, attribute, type, value): the message alone.
+    text = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+    message = cut_values(text, _long_strings(values, 3))
+    if len(message) > MESSAGE_LIMIT:
+        message = f"{message[:MESSAGE_LIMIT]}... ({len(message)} characters)"
+    try:
+        short = type(exc)(message)
+    except Exception:  # a constructor with other arguments (attrs' NotCallableError)
+        base = next((t for t in (TypeError, ValueError) if isinstance(exc, t)), None)
+        if base is None:
+            return None
+        short = base(message)
+    return short.with_traceback(exc.__traceback__)
+
+
+def _long_strings(value: Any, depth: int) -> list[Any]:
+    if isinstance(value, (str, bytes)):
+        return [value] if len(value) > SHOWN else []
+    if depth <= 0:
+        return []
+    if isinstance(value, Mapping):
+        items: Any = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    else:
+        return []
+    return [s for item in items for s in _long_strings(item, depth - 1)]
+
+
 @attrs.frozen
 class _OptionKey:
     # Stands for the attrs.Attribute when OptionSchema runs a validator on an option's value:

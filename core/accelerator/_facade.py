@@ -34,6 +34,7 @@ from kwplug.utils.dataclasses import (
     GradientAccumulationPlugin,
     ProjectConfiguration,
 )
+from kwplug.validators import cut_error
 
 
 class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndProcessAPI):
@@ -135,11 +136,18 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
         even_batches: bool | None = None,
         device_placement: bool = True,
     ) -> None:
-        options = resolve_options(
-            gradient_accumulation_steps, gradient_accumulation_plugin, dataloader_config,
-            project_dir, project_config, log_with, step_scheduler_with_optimizer,
-            split_batches, even_batches,
-        )  # fmt: skip
+        try:
+            options = resolve_options(
+                gradient_accumulation_steps, gradient_accumulation_plugin, dataloader_config,
+                project_dir, project_config, log_with, step_scheduler_with_optimizer,
+                split_batches, even_batches,
+            )  # fmt: skip
+        except (TypeError, ValueError) as exc:  # a message never echoes a 20 MB argument
+            given = (gradient_accumulation_steps, project_dir, log_with, split_batches)
+            short = cut_error(exc, (*given, even_batches, step_scheduler_with_optimizer))
+            if short is None:
+                raise
+            raise short from None
         # Resolved once; the public attributes below are read-only by convention.
         self._setup: _Setup = resolve(
             "no" if mixed_precision is None else mixed_precision, cpu, kwargs_handlers

@@ -11,6 +11,7 @@ import attrs
 
 from kwplug._plugins import KwplugPluginManager
 from kwplug.tracking import GeneralTracker, TrackerFactory, merge_trackers
+from kwplug.validators import shown
 
 #: What ``log_with`` accepts: ``None``, a tracker name, ``"all"``, a :class:`GeneralTracker`,
 #: or a list of those.
@@ -75,7 +76,7 @@ class _Trackers:
                 selected.append(str(item))
             else:
                 raise ValueError(
-                    f"log_with: unknown tracker {str(item)!r}; available: "
+                    f"log_with: unknown tracker {shown(str(item))}; available: "
                     f"{', '.join(map(repr, sorted(factories))) or 'none'} (or 'all')"
                 )
         for name in selected:
