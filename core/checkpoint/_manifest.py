@@ -88,11 +88,19 @@ def _problem(body: object) -> str | None:
     if not isinstance(entries, dict):
         return f"'files' is a JSON {type(entries).__name__}, not an object of [size, sha256]"
     for name, value in entries.items():
+        if not _inside(name):
+            return f"it lists {name[:80]!r}, which is not a file name inside the checkpoint folder"
         ok = isinstance(value, list) and len(value) == 2
         size, sha = value if ok else (None, None)
         if not (type(size) is int and size >= 0 and isinstance(sha, str) and _SHA.fullmatch(sha)):
             return f"the record of {name!r} is {str(value)[:80]}, not [size in bytes, sha256 hex]"
     return None
+
+
+def _inside(name: str) -> bool:
+    # A relative POSIX path below the folder, as files() writes them: no absolute path, no
+    # empty, "." or ".." part, no NUL (a listed "../x" would name a file elsewhere).
+    return "\x00" not in name and all(part not in ("", ".", "..") for part in name.split("/"))
 
 
 def files(directory: Path) -> set[str]:

@@ -63,6 +63,20 @@ def test_a_damaged_manifest_is_one_checkpoint_error(
     assert prehooks.listed(version) == set()  # the prune's reader says "none" too
 
 
+@pytest.mark.parametrize("name", ["../../../../etc/passwd", "/etc/passwd", "a\x00b", ".", "x/../y"])
+def test_a_listed_name_outside_the_folder_is_named_so(tmp_path: Path, name: str) -> None:
+    # Issue 18 re-check: these were refused, but as "missing (listed in the manifest)" for a
+    # file that exists; the manifest itself is what is wrong.
+    accelerator, version = _saved(tmp_path)
+    body = json.loads((version / layout.MANIFEST).read_text())
+    body["files"][name] = [0, codec.digest(b"")]
+    (version / layout.MANIFEST).write_text(json.dumps(body))
+    with pytest.raises(CheckpointError, match="not a file name inside the checkpoint") as info:
+        accelerator.load_state(tmp_path / "ckpt")
+    assert info.value.file == str(version / layout.MANIFEST)
+    assert "missing" not in str(info.value)
+
+
 @pytest.mark.parametrize("kind", ["fifo", "symlink"])
 def test_a_listed_fifo_or_link_is_refused(tmp_path: Path, kind: str) -> None:
     accelerator, version = _saved(tmp_path)
