@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,6 @@ from kwplug.utils.dataclasses import DistributedType, default_distributed_type
 
 __all__ = ["AcceleratorState", "GradientState", "PartialState"]
 
-F = TypeVar("F", bound=Callable[..., Any])
 
 # The most recently constructed Accelerator, weakly: what AcceleratorState() reports for
 # mixed_precision and distributed_type while it is alive (see register_accelerator).
@@ -128,67 +127,6 @@ class PartialState(_process.Ranks):
     def wait_for_everyone(self) -> None:
         """``torch.distributed.barrier()`` when distributed; nothing otherwise."""
         _ops.wait_for_everyone(self.num_processes)
-
-    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        """``with state.main_process_first():`` rank 0 runs the block, then the others."""
-        return _process.goes_first(self.is_main_process, self.num_processes)
-
-    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        """As :meth:`main_process_first`, with local rank 0 of each node first."""
-        return _process.goes_first(self.is_local_main_process, self.num_processes)
-
-    def on_main_process(self, function: F | None = None) -> F:
-        """Decorator: ``function`` runs on global rank 0 only (elsewhere it returns ``None``).
-
-        Raises:
-            ValueError: no ``function``.
-        """
-        return _process.run_if(
-            _process.decorated(function, "on_main_process"), lambda: self.is_main_process
-        )
-
-    def on_local_main_process(self, function: F | None = None) -> F:
-        """Decorator: ``function`` runs on local rank 0 of each node only.
-
-        Raises:
-            ValueError: no ``function``.
-        """
-        return _process.run_if(
-            _process.decorated(function, "on_local_main_process"),
-            lambda: self.is_local_main_process,
-        )
-
-    def on_last_process(self, function: F) -> F:
-        """Decorator: ``function`` runs on the last global rank only."""
-        return _process.run_if(function, lambda: self.is_last_process)
-
-    def on_process(self, function: F | None = None, process_index: int | None = None) -> Any:
-        """Decorator: ``function`` runs on global rank ``process_index`` only
-        (``@state.on_process(process_index=1)``).
-
-        Raises:
-            ValueError: ``process_index`` is missing.
-        """
-        return self._on_rank("process_index", function, process_index)
-
-    def on_local_process(
-        self, function: F | None = None, local_process_index: int | None = None
-    ) -> Any:
-        """Decorator: ``function`` runs on local rank ``local_process_index`` of each node.
-
-        Raises:
-            ValueError: ``local_process_index`` is missing.
-        """
-        return self._on_rank("local_process_index", function, local_process_index)
-
-    def _on_rank(self, attribute: str, function: Any, index: int | None) -> Any:
-        if index is None:
-            raise ValueError(f"on_process needs {attribute}=<rank>")
-        if function is None:
-            return lambda f: self._on_rank(attribute, f, index)
-        return _process.run_if(
-            function, lambda: not self.use_distributed or getattr(self, attribute) == index
-        )
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:

@@ -5,8 +5,8 @@ method delegates to :mod:`._metrics`, :mod:`._process` or :mod:`kwplug.data`."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -16,7 +16,6 @@ from kwplug.accelerator._setup import _Setup
 from kwplug.utils.dataclasses import DataLoaderConfiguration, DistributedType
 from kwplug.utils.memory import release_memory
 
-F = TypeVar("F", bound=Callable[..., Any])
 _MULTI_DEVICE = frozenset(
     t for t in DistributedType if t.name.startswith("MULTI_") and t is not DistributedType.MULTI_CPU
 )
@@ -185,65 +184,6 @@ class _DataAndProcessAPI(_process.Ranks):
         return any(len(getattr(m, "hf_device_map", ())) > 1 for m in model.modules())
 
     # -- which process runs what ---------------------------------------------------------
-
-    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        """``with accelerator.main_process_first():`` rank 0 runs the block, then the others
-        (e.g. download or preprocess once, then read the cache)."""
-        return _process.goes_first(self.is_main_process, self.num_processes)
-
-    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        """As :meth:`main_process_first`, with local rank 0 of each node first."""
-        return _process.goes_first(self.is_local_main_process, self.num_processes)
-
-    def on_main_process(self, function: F | None = None) -> F:
-        """Decorator: ``function`` runs on global rank 0 only (elsewhere a call returns
-        ``None``); in a single process it always runs.
-
-        Raises:
-            ValueError: no ``function`` (as Accelerate's, outside its own class).
-        """
-        return _process.run_if(
-            _process.decorated(function, "on_main_process"), lambda: self.is_main_process
-        )
-
-    def on_local_main_process(self, function: F | None = None) -> F:
-        """Decorator: ``function`` runs on local rank 0 of each node only.
-
-        Raises:
-            ValueError: no ``function``.
-        """
-        return _process.run_if(
-            _process.decorated(function, "on_local_main_process"),
-            lambda: self.is_local_main_process,
-        )
-
-    def on_last_process(self, function: F) -> F:
-        """Decorator: ``function`` runs on the last global rank only."""
-        return _process.run_if(function, lambda: self.is_last_process)
-
-    def on_process(self, function: F | None = None, process_index: int | None = None) -> Any:
-        """Decorator: ``function`` runs on global rank ``process_index`` only; use as
-        ``@accelerator.on_process(process_index=1)``.
-
-        Raises:
-            ValueError: ``process_index`` is missing.
-        """
-        return self._on_rank("process_index", function, process_index)
-
-    def on_local_process(
-        self, function: F | None = None, local_process_index: int | None = None
-    ) -> Any:
-        """Decorator: ``function`` runs on local rank ``local_process_index`` of each node."""
-        return self._on_rank("local_process_index", function, local_process_index)
-
-    def _on_rank(self, attribute: str, function: Any, index: int | None) -> Any:
-        if index is None:
-            raise ValueError(f"on_process needs {attribute}=<rank>")
-        if function is None:
-            return lambda f: self._on_rank(attribute, f, index)
-        return _process.run_if(
-            function, lambda: not self.use_distributed or getattr(self, attribute) == index
-        )
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:

@@ -17,8 +17,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Ranks:
-    """Accelerate's rank predicates, computed in one place for the ``Accelerator`` and its
-    ``state`` (both classes derive from this one and set the three attributes).
+    """Accelerate's rank predicates and the methods choosing which process runs what, in one
+    place for the ``Accelerator`` and its ``state`` (both classes derive from this one and set
+    the three attributes).
 
     Attributes:
         num_processes: processes in the run; process_index: this one's global rank;
@@ -49,6 +50,69 @@ class Ranks:
     def use_distributed(self) -> bool:
         """True when more than one process runs."""
         return self.num_processes > 1
+
+    # -- which process runs what (the Accelerator's and the states' methods) ------------
+
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """``with accelerator.main_process_first():`` (or ``state.``): rank 0 runs the block,
+        then the others (e.g. download or preprocess once, then read the cache)."""
+        return goes_first(self.is_main_process, self.num_processes)
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """As :meth:`main_process_first`, with local rank 0 of each node first."""
+        return goes_first(self.is_local_main_process, self.num_processes)
+
+    def on_main_process(self, function: F | None = None) -> F:
+        """Decorator: ``function`` runs on global rank 0 only (elsewhere a call returns
+        ``None``); in a single process it always runs.
+
+        Raises:
+            ValueError: no ``function`` (as Accelerate's, outside its own class).
+        """
+        return run_if(decorated(function, "on_main_process"), lambda: self.is_main_process)
+
+    def on_local_main_process(self, function: F | None = None) -> F:
+        """Decorator: ``function`` runs on local rank 0 of each node only.
+
+        Raises:
+            ValueError: no ``function``.
+        """
+        return run_if(
+            decorated(function, "on_local_main_process"),
+            lambda: self.is_local_main_process,
+        )
+
+    def on_last_process(self, function: F) -> F:
+        """Decorator: ``function`` runs on the last global rank only."""
+        return run_if(function, lambda: self.is_last_process)
+
+    def on_process(self, function: F | None = None, process_index: int | None = None) -> Any:
+        """Decorator: ``function`` runs on global rank ``process_index`` only; use as
+        ``@accelerator.on_process(process_index=1)`` (or ``state.``).
+
+        Raises:
+            ValueError: ``process_index`` is missing.
+        """
+        return self._on_rank("process_index", function, process_index)
+
+    def on_local_process(
+        self, function: F | None = None, local_process_index: int | None = None
+    ) -> Any:
+        """Decorator: ``function`` runs on local rank ``local_process_index`` of each node.
+
+        Raises:
+            ValueError: ``local_process_index`` is missing.
+        """
+        return self._on_rank("local_process_index", function, local_process_index)
+
+    def _on_rank(self, attribute: str, function: Any, index: int | None) -> Any:
+        if index is None:
+            raise ValueError(f"on_process needs {attribute}=<rank>")
+        if function is None:
+            return lambda f: self._on_rank(attribute, f, index)
+        return run_if(
+            function, lambda: not self.use_distributed or getattr(self, attribute) == index
+        )
 
 
 def distributed_type(
