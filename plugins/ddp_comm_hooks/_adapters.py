@@ -1,5 +1,6 @@
-"""Making any callable acceptable to DDP, and the gloo serialisation of multi-collective hooks."""
+"""Making any callable acceptable to DDP, and the gloo ordering of multi-collective hooks."""
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -9,12 +10,95 @@ from kwplug.comm_hooks import HookFn
 from kwplug.plugins.ddp_comm_hooks._common import GradBucket, describe, future_tensor
 
 #: Attribute of a hook function that issues its collectives in the same order on every rank
-#: without waiting (e.g. on separate process groups), so :func:`serialized_hook` leaves it as is.
+#: without waiting (e.g. on separate process groups), so :func:`ordered_hook` and
+#: :func:`serialized_hook` leave it as is.
 ORDERS_COLLECTIVES = "_kwplug_orders_collectives"
+
+
+def _settle(source: torch.futures.Future[Any], target: torch.futures.Future[torch.Tensor]) -> None:
+    # Hand a finished hook future's tensor, or its error, on to the future DDP holds.
+    try:
+        value = future_tensor(source)
+    except BaseException as error:  # handed to DDP through the future
+        target.set_exception(error)  # type: ignore[arg-type]  # torch's stub is too narrow
+        return
+    target.set_result(value)
+
+
+def ordered_hook(hook: HookFn) -> HookFn:
+    """Chain ``hook``'s buckets so that each starts after the previous one's future completed.
+
+    gloo completes futures on its own worker threads, so a hook that starts a second
+    collective from a ``then`` callback (PowerSGD all-reduces ``Q`` after ``P``) issues it from
+    that thread while DDP's autograd thread may already be starting the next bucket's first
+    collective; the ranks can then issue them in different orders, and gloo, which matches
+    collectives by order, hangs. The returned hook keeps one order on every rank without
+    making the autograd thread wait: called for bucket ``k``, it returns a new future at once
+    and runs ``hook`` for bucket ``k`` from a done-callback of bucket ``k - 1``'s future (or
+    at once when that one is already done), so every collective of bucket ``k - 1`` is issued
+    before the first of bucket ``k``, while backward keeps computing the next gradients.
+
+    For the step's last bucket (``bucket.is_last()``) it waits until the chain is done before
+    returning: nothing of backward is left to overlap, and any collective DDP itself issues
+    after the last bucket on the same group (the unused-parameter map of
+    ``find_unused_parameters=True``) then comes after the hook's on every rank. The next
+    step's first bucket therefore starts at once. A hook that raises, or whose future fails,
+    fails the future of its bucket (DDP raises it at the end of backward); the chain goes on
+    with the next bucket, so the other ranks' collectives are still matched. One chain per
+    returned hook (one DDP model); the work each bucket does, and its order, are unchanged.
+
+    A hook that keeps its collectives in order itself (kwplug's
+    :func:`~kwplug.plugins.ddp_comm_hooks.batched_power_sgd_hook`, marked by a true
+    :data:`ORDERS_COLLECTIVES` attribute) is returned unchanged.
+
+    Args:
+        hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``.
+
+    Returns:
+        A hook with the same contract, or ``hook``.
+    """
+    if getattr(hook, ORDERS_COLLECTIVES, False):
+        return hook
+    # The future of the latest bucket handed out; only DDP's autograd thread reads or sets it.
+    tail: list[torch.futures.Future[torch.Tensor] | None] = [None]
+
+    def chained_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+        def start(_: object = None) -> None:
+            # Runs on this thread, or on the gloo thread that completed the previous bucket.
+            try:
+                inner = hook(state, bucket)
+            except BaseException as error:  # handed to DDP through the future
+                result.set_exception(error)  # type: ignore[arg-type]  # torch's stub is too narrow
+                return
+            inner.add_done_callback(lambda fut: _settle(fut, result))
+
+        previous = tail[0]
+        if previous is None or previous.done():
+            start()
+        else:
+            previous.add_done_callback(start)
+        if not bucket.is_last():
+            tail[0] = result
+            return result
+        tail[0] = None
+        # A failed chain's error stays in the future: DDP raises it when backward finishes.
+        with contextlib.suppress(Exception):
+            result.wait()
+        return result
+
+    chained_hook.__name__ = getattr(hook, "__name__", None) or "ordered_hook"
+    chained_hook.__qualname__ = describe(hook)
+    chained_hook.__doc__ = f"{describe(hook)}, buckets chained in order (kwplug, gloo)."
+    return chained_hook
 
 
 def serialized_hook(hook: HookFn) -> HookFn:
     """Run ``hook`` to completion inside the call and return an already completed future.
+
+    kwplug itself now uses :func:`ordered_hook` (same order guarantee, without making the
+    autograd thread wait for every bucket); this stays for hooks registered by hand.
 
     gloo completes futures on its own worker threads, so a hook that starts a second
     collective from a ``then`` callback (PowerSGD all-reduces ``Q`` after ``P``) issues it from
@@ -22,8 +106,7 @@ def serialized_hook(hook: HookFn) -> HookFn:
     collective. The two ranks can then issue them in different orders, and gloo matches
     collectives by order: the job hangs. Waiting inside the hook issues every collective of a
     bucket before the next bucket's hook starts, in the same order on every rank. The cost is
-    the overlap of this hook's communication with the rest of the backward pass; kwplug applies
-    it on gloo only (NCCL orders collectives on CUDA streams).
+    the overlap of this hook's communication with the rest of the backward pass.
 
     A hook that keeps its collectives in order itself (kwplug's
     :func:`~kwplug.plugins.ddp_comm_hooks.batched_power_sgd_hook`, marked by a true

@@ -1,0 +1,111 @@
+"""ordered_hook: each bucket's hook starts after the previous bucket's future completed, the
+autograd thread is not held up (except on the step's last bucket), errors reach the future."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from kwplug.plugins.ddp_comm_hooks import ordered_hook
+from kwplug.plugins.ddp_comm_hooks._adapters import ORDERS_COLLECTIVES
+
+
+class _Bucket:
+    def __init__(self, index: int, last: bool) -> None:
+        self._index = index
+        self._last = last
+        self._buffer = torch.full((4,), float(index))
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
+class _Recorder:
+    """A hook whose futures the test completes by hand; records the order of the calls."""
+
+    def __init__(self, fail: frozenset[int] = frozenset()) -> None:
+        self.started: list[int] = []
+        self.pending: dict[int, torch.futures.Future[torch.Tensor]] = {}
+        self.fail = fail
+
+    def __call__(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        self.started.append(bucket.index())
+        if bucket.index() in self.fail:
+            raise ValueError(f"bucket {bucket.index()} failed")
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self.pending[bucket.index()] = future
+        return future
+
+    def finish(self, index: int) -> None:
+        self.pending.pop(index).set_result(torch.full((4,), 10.0 + index))
+
+
+def test_buckets_start_in_order_without_blocking() -> None:
+    inner = _Recorder()
+    hook = ordered_hook(inner)
+    f0 = hook(None, _Bucket(0, last=False))
+    f1 = hook(None, _Bucket(1, last=False))  # returns although bucket 0 is not done
+    assert inner.started == [0]  # bucket 1 waits for bucket 0's future
+    assert not f0.done() and not f1.done()
+    inner.finish(0)
+    assert f0.wait().tolist() == [10.0] * 4
+    assert inner.started == [0, 1]
+    assert not f1.done()
+    inner.finish(1)
+    assert f1.wait().tolist() == [11.0] * 4
+
+
+def test_last_bucket_waits_for_the_chain_and_resets_it() -> None:
+    inner = _Recorder()
+    hook = ordered_hook(inner)
+    hook(None, _Bucket(0, last=False))
+    # The step's last bucket returns only once every bucket of the chain is done: finish
+    # them from another thread, as gloo's worker threads would.
+    finisher = threading.Timer(0.05, lambda: (inner.finish(0), inner.finish(1)))
+    finisher.start()
+    last = hook(None, _Bucket(1, last=True))
+    finisher.join()
+    assert last.done() and last.wait().tolist() == [11.0] * 4
+    # Next step: the first bucket starts at once.
+    hook(None, _Bucket(0, last=False))
+    assert inner.started == [0, 1, 0]
+
+
+def test_an_error_fails_its_bucket_and_the_chain_goes_on() -> None:
+    inner = _Recorder(fail=frozenset({1}))
+    hook = ordered_hook(inner)
+    f0 = hook(None, _Bucket(0, last=False))
+    f1 = hook(None, _Bucket(1, last=False))
+    f2 = hook(None, _Bucket(2, last=False))
+    inner.finish(0)
+    assert inner.started == [0, 1, 2]  # bucket 2 still issues its collectives
+    with pytest.raises(ValueError, match="bucket 1 failed"):
+        f1.wait()
+    inner.pending.pop(2).set_exception(RuntimeError("gloo: connection closed"))
+    with pytest.raises(RuntimeError, match="connection closed"):
+        f2.wait()
+    assert f0.wait().tolist() == [10.0] * 4
+    # A failed last bucket returns its failed future instead of raising in backward's thread.
+    inner.fail = frozenset({3})
+    f3 = hook(None, _Bucket(3, last=True))
+    assert f3.done()
+    with pytest.raises(ValueError, match="bucket 3 failed"):
+        f3.wait()
+
+
+def test_hooks_that_order_themselves_are_returned_unchanged() -> None:
+    def own(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        raise AssertionError("not called")
+
+    setattr(own, ORDERS_COLLECTIVES, True)
+    assert ordered_hook(own) is own
+    assert ordered_hook(_Recorder()).__qualname__ == "_Recorder"
