@@ -25,6 +25,34 @@ def _settle(source: torch.futures.Future[Any], target: torch.futures.Future[torc
     target.set_result(value)
 
 
+#: Name of an optional method of a hook's state, ``kwplug_lanes() -> tuple[state, ...]``: views
+#: of the state that each issue the hook's collectives on a process group of their own (the
+#: first is normally the state itself). :func:`ordered_hook` runs bucket ``n`` of a step on
+#: lane ``n % len(lanes)``, so that the buckets of different lanes overlap.
+LANES = "kwplug_lanes"
+
+
+def _lanes(state: Any) -> tuple[Any, ...]:
+    lanes = getattr(state, LANES, None)
+    views = tuple(lanes()) if callable(lanes) else ()
+    return views or (state,)
+
+
+class _Chain:
+    # One step's chain: the future set once the latest bucket's hook was called (its
+    # synchronous part, random draws included, done), each lane's latest bucket, every bucket.
+    __slots__ = ("count", "ends", "results", "started")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.count = 0
+        self.started: torch.futures.Future[None] | None = None
+        self.ends: dict[int, torch.futures.Future[torch.Tensor]] = {}
+        self.results: list[torch.futures.Future[torch.Tensor]] = []
+
+
 def ordered_hook(hook: HookFn) -> HookFn:
     """Chain ``hook``'s buckets so that each starts after the previous one's future completed.
 
@@ -42,7 +70,15 @@ def ordered_hook(hook: HookFn) -> HookFn:
     returning: nothing of backward is left to overlap, and any collective DDP itself issues
     after the last bucket on the same group (the unused-parameter map of
     ``find_unused_parameters=True``) then comes after the hook's on every rank. The next
-    step's first bucket therefore starts at once. A hook that raises, or whose future fails,
+    step's first bucket therefore starts at once.
+
+    When the state offers lanes (a :data:`LANES` method, e.g. kwplug's PowerSGD state on gloo
+    with warm start, whose second lane all-reduces on a second gloo group), bucket ``n`` runs
+    on lane ``n % len(lanes)``, with that lane's view of the state: it starts once bucket
+    ``n - 1``'s hook was called and the lane's previous bucket completed. Each group then sees
+    its buckets' collectives in one order on every rank, the hook is still called in bucket
+    order (its random draws too), and the chains of consecutive buckets overlap. The last
+    bucket waits for every lane. A hook that raises, or whose future fails,
     fails the future of its bucket (DDP raises it at the end of backward); the chain goes on
     with the next bucket, so the other ranks' collectives are still matched. One chain per
     returned hook (one DDP model); the work each bucket does, and its order, are unchanged.
@@ -59,33 +95,50 @@ def ordered_hook(hook: HookFn) -> HookFn:
     """
     if getattr(hook, ORDERS_COLLECTIVES, False):
         return hook
-    # The future of the latest bucket handed out; only DDP's autograd thread reads or sets it.
-    tail: list[torch.futures.Future[torch.Tensor] | None] = [None]
+    # Only DDP's autograd thread reads or sets the chain; callbacks only complete futures.
+    chain = _Chain()
 
     def chained_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        lanes = _lanes(state)
+        lane = chain.count % len(lanes)
+        chain.count += 1
         result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        started: torch.futures.Future[None] = torch.futures.Future()
 
         def start(_: object = None) -> None:
-            # Runs on this thread, or on the gloo thread that completed the previous bucket.
+            # Runs on this thread, or on the gloo thread that completed what it waited for.
             try:
-                inner = hook(state, bucket)
+                inner = hook(lanes[lane], bucket)
             except BaseException as error:  # handed to DDP through the future
+                started.set_result(None)
                 result.set_exception(error)  # type: ignore[arg-type]  # torch's stub is too narrow
                 return
+            started.set_result(None)
             inner.add_done_callback(lambda fut: _settle(fut, result))
 
-        previous = tail[0]
-        if previous is None or previous.done():
-            start()
+        after_start, lane_end = chain.started, chain.ends.get(lane)
+
+        def when_started(_: object = None) -> None:
+            if lane_end is None:
+                start()
+            else:  # runs at once when that bucket is already done
+                lane_end.add_done_callback(start)
+
+        if after_start is None:
+            when_started()
         else:
-            previous.add_done_callback(start)
+            after_start.add_done_callback(when_started)
+        chain.started = started
+        chain.ends[lane] = result
+        chain.results.append(result)
         if not bucket.is_last():
-            tail[0] = result
             return result
-        tail[0] = None
-        # A failed chain's error stays in the future: DDP raises it when backward finishes.
-        with contextlib.suppress(Exception):
-            result.wait()
+        step = chain.results
+        chain.reset()
+        # A failed bucket's error stays in its future: DDP raises it when backward finishes.
+        for future in step:
+            with contextlib.suppress(Exception):
+                future.wait()
         return result
 
     chained_hook.__name__ = getattr(hook, "__name__", None) or "ordered_hook"

@@ -94,6 +94,37 @@ class _OrderedPowerSGDState(PowerSGDState):
         # PowerSGDState.__getstate__ reads self.__slots__, which here names only ours.
         return {s: getattr(self, s) for s in PowerSGDState.__slots__ if s != "process_group"}
 
+    def kwplug_lanes(self) -> tuple[Any, ...]:
+        """The lanes :func:`~kwplug.plugins.ddp_comm_hooks.ordered_hook` runs torch's
+        per-tensor ``powerSGD_hook`` on: this state, and a view of it whose collectives go
+        over the second gloo group, when there is one and ``warm_start`` is on (without warm
+        start torch's hook clears every bucket's P and Q memories at each bucket's end, which
+        must not overlap another bucket)."""
+        group = self.q_process_group
+        if group is None or not self.warm_start:
+            return (self,)
+        return (self, _LaneState(self, group))
+
+
+class _LaneState:
+    """``state`` seen through another process group: every attribute but ``process_group`` is
+    read from and written to ``state`` (torch's ``powerSGD_hook`` updates its memories,
+    counters and step through the object it is given)."""
+
+    __slots__ = ("_state", "process_group")
+    _state: PowerSGDState
+    process_group: dist.ProcessGroup
+
+    def __init__(self, state: PowerSGDState, group: dist.ProcessGroup) -> None:
+        object.__setattr__(self, "_state", state)
+        object.__setattr__(self, "process_group", group)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._state, name, value)
+
 
 def _q_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     # A second gloo group for the Q all-reduces of batched PowerSGD, when the hook would

@@ -34,11 +34,13 @@ class _Recorder:
 
     def __init__(self, fail: frozenset[int] = frozenset()) -> None:
         self.started: list[int] = []
+        self.states: list[Any] = []
         self.pending: dict[int, torch.futures.Future[torch.Tensor]] = {}
         self.fail = fail
 
     def __call__(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         self.started.append(bucket.index())
+        self.states.append(state)
         if bucket.index() in self.fail:
             raise ValueError(f"bucket {bucket.index()} failed")
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -109,3 +111,34 @@ def test_hooks_that_order_themselves_are_returned_unchanged() -> None:
     setattr(own, ORDERS_COLLECTIVES, True)
     assert ordered_hook(own) is own
     assert ordered_hook(_Recorder()).__qualname__ == "_Recorder"
+
+
+class _TwoLanes:
+    def __init__(self) -> None:
+        self.views = ("lane 0", "lane 1")
+
+    def kwplug_lanes(self) -> tuple[str, ...]:
+        return self.views
+
+
+def test_lanes_overlap_consecutive_buckets_and_keep_each_lane_in_order() -> None:
+    inner = _Recorder()
+    hook = ordered_hook(inner)
+    state = _TwoLanes()
+    f0 = hook(state, _Bucket(0, last=False))
+    f1 = hook(state, _Bucket(1, last=False))
+    f2 = hook(state, _Bucket(2, last=False))
+    assert inner.started == [0, 1]  # bucket 1 on the other lane overlaps bucket 0
+    inner.finish(1)
+    assert inner.started == [0, 1]  # bucket 2 waits for bucket 0, its lane's previous
+    inner.finish(0)
+    assert inner.started == [0, 1, 2]
+    assert inner.states == ["lane 0", "lane 1", "lane 0"]  # the hook gets its lane's view
+    finisher = threading.Timer(0.05, lambda: (inner.finish(2), inner.finish(3)))
+    finisher.start()
+    last = hook(state, _Bucket(3, last=True))  # waits for both lanes
+    finisher.join()
+    assert inner.states[-1] == "lane 1"
+    assert [f.wait()[0].item() for f in (f0, f1, f2, last)] == [10.0, 11.0, 12.0, 13.0]
+    hook(state, _Bucket(0, last=False))  # next step: lane 0 again, at once
+    assert inner.states[-1] == "lane 0" and inner.started[-1] == 0
