@@ -83,8 +83,10 @@ def _count_step(state: PowerSGDState, bucket: GradBucket) -> None:
 class _OrderedPowerSGDState(PowerSGDState):
     """``PowerSGDState`` plus a second gloo group on which :func:`batched_power_sgd_hook`
     all-reduces ``Q``, so that its collectives keep one order on every rank without waiting
-    inside DDP's autograd callback (see :func:`make_power_sgd_state`). Saved and restored
-    exactly as ``PowerSGDState`` (the groups and the ordering future are never saved)."""
+    inside DDP's autograd callback (see :func:`make_power_sgd_state`), and on which every other
+    bucket of torch's per-tensor ``powerSGD_hook`` runs (:meth:`kwplug_lanes`). Saved and
+    restored exactly as ``PowerSGDState`` (the groups and the ordering future are never
+    saved)."""
 
     __slots__ = ("q_issued", "q_process_group")
     q_issued: torch.futures.Future[None] | None
@@ -127,8 +129,8 @@ class _LaneState:
 
 
 def _q_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    # A second gloo group for the Q all-reduces of batched PowerSGD, when the hook would
-    # otherwise be serialised (gloo, several ranks). Creating a group is collective: this runs
+    # A second gloo group (gloo, several ranks): batched PowerSGD all-reduces Q on it, and
+    # per-tensor PowerSGD runs every other bucket on it. Creating a group is collective: this runs
     # in make_power_sgd_state, which kwplug calls in wrap_model on every rank, in step.
     if not dist.is_initialized() or dist.get_world_size(process_group) < 2:
         return None
@@ -146,8 +148,9 @@ def make_power_sgd_state(
 
     Returns a ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState(
     process_group=process_group, **options)`` (a subclass that, on gloo with several ranks,
-    also holds a second gloo group for :func:`batched_power_sgd_hook`'s ``Q`` all-reduces;
-    created here, so every rank must call this at the same point, as ``wrap_model`` does).
+    also holds a second gloo group for :func:`batched_power_sgd_hook`'s ``Q`` all-reduces and
+    every other bucket of torch's per-tensor hook with warm start; created here, so every rank
+    must call this at the same point, as ``wrap_model`` does).
     Its defaults apply to omitted options:
     ``matrix_approximation_rank=1``, ``start_powerSGD_iter=1000`` (steps of plain all-reduce
     before compression starts; must be > 1 with error feedback or warm start),

@@ -142,3 +142,21 @@ def test_lanes_overlap_consecutive_buckets_and_keep_each_lane_in_order() -> None
     assert [f.wait()[0].item() for f in (f0, f1, f2, last)] == [10.0, 11.0, 12.0, 13.0]
     hook(state, _Bucket(0, last=False))  # next step: lane 0 again, at once
     assert inner.states[-1] == "lane 0" and inner.started[-1] == 0
+
+
+def test_power_sgd_state_lanes_share_the_state_and_need_warm_start() -> None:
+    from kwplug.plugins.ddp_comm_hooks import make_power_sgd_state
+
+    state: Any = make_power_sgd_state(None, {"start_powerSGD_iter": 2})
+    assert state.kwplug_lanes() == (state,)  # no process group: no second group
+    group = object()
+    state.q_process_group = group
+    first, second = state.kwplug_lanes()
+    assert first is state and second.process_group is group
+    second.total_numel_before_compression += 5  # torch's hook updates its counters like this
+    second.error_dict["key"] = "error"
+    assert state.total_numel_before_compression == 5 and state.error_dict == {"key": "error"}
+    assert second.iter == state.iter and second.process_group is not state.process_group
+    cold: Any = make_power_sgd_state(None, {"warm_start": False, "use_error_feedback": False})
+    cold.q_process_group = group
+    assert cold.kwplug_lanes() == (cold,)  # torch's hook clears every bucket's P/Q memories
