@@ -322,7 +322,10 @@ def _timeline(args: argparse.Namespace) -> int:
         print(
             f"{config} at {args.rate}: {row['median_step_ms']:.1f} ms/step, "
             f"{row['collectives_per_step']:g} collectives, "
-            f"{row['payload_bytes_per_step']:,.0f} B/rank/step; the median step:"
+            f"{row['payload_bytes_per_step']:,.0f} B/rank/step; medians: first collective at "
+            f"{row.get('median_first_start_ms', float('nan')):.1f} ms, last done at "
+            f"{row.get('median_last_done_ms', float('nan')):.1f} ms, nothing in flight for "
+            f"{row.get('median_idle_ms', float('nan')):.1f} ms between; the middle step:"
         )
         for c in row["example_step"]["collectives"]:
             print(

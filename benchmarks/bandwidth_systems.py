@@ -7,7 +7,9 @@ Systems:
   top-k, which torch lacks, are kwplug-compress's hook functions registered the same way;
 - ``accelerate``: Hugging Face Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)``
   (torch's hooks; no int8/top-k) and ``accelerate.local_sgd.LocalSGD``;
-- ``kwplug``: ``kwplug.Accelerator`` with ``kwplug.DistributedDataParallelKwargs(comm_hook=...)``.
+- ``kwplug``: ``kwplug.Accelerator`` with ``kwplug.DistributedDataParallelKwargs(comm_hook=...)``;
+  ``kwplug_blocking`` (only when named in ``--configs``) is the same with the former blocking
+  gloo ordering of PowerSGD's buckets, for a before/after in one launch.
 
 ``local_sgd`` is DDP whose gradients stay local (``no_sync``) and whose parameters are averaged
 every :data:`LOCAL_SGD_PERIOD` steps (torch's
@@ -182,6 +184,23 @@ def build_kwplug(hook: str) -> Step:
     return _loop(model, opt, accelerator.backward)
 
 
+def build_kwplug_blocking(hook: str) -> Step:
+    """:func:`build_kwplug` with kwplug's former gloo ordering of chained hooks: each bucket run
+    to completion inside the hook (``serialized_hook``) instead of ``ordered_hook``'s chain.
+
+    Not one of :data:`SYSTEMS`: ``--configs kwplug:power_sgd,kwplug_blocking:power_sgd``
+    times the two side by side, in interleaved blocks of one launch.
+    """
+    from kwplug.plugins.ddp_comm_hooks import _compose, serialized_hook
+
+    chained = _compose.ordered_hook
+    _compose.ordered_hook = serialized_hook  # only while prepare() composes the hook
+    try:
+        return build_kwplug(hook)
+    finally:
+        _compose.ordered_hook = chained
+
+
 def build_accelerate(hook: str) -> Step:
     """Accelerate with its ``DistributedDataParallelKwargs`` (or its ``LocalSGD``)."""
     import accelerate
@@ -218,6 +237,7 @@ BUILDERS: dict[str, Callable[[str], Step]] = {
     "raw": build_raw,
     "accelerate": build_accelerate,
     "kwplug": build_kwplug,
+    "kwplug_blocking": build_kwplug_blocking,
 }
 
 

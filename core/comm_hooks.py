@@ -69,8 +69,9 @@ class CommHook:
             layout) and calls it to learn the keys the state holds, so that a resumed run
             splits its first buckets as the saving run did. Return ``()`` when unknown.
         chains_collectives: the hook starts a collective from a future's callback (e.g. a
-            second all-reduce after the first); on gloo kwplug then completes each bucket
-            before the next (:func:`~kwplug.plugins.ddp_comm_hooks.serialized_hook`).
+            second all-reduce after the first); on gloo kwplug then starts each bucket's hook
+            after the previous bucket's future completed, without blocking backward
+            (:func:`~kwplug.plugins.ddp_comm_hooks.ordered_hook`).
         state_dict: ``state_dict(state) -> saved``, what ``Accelerator.save_state`` saves of
             the state on each rank (tensors, numbers, strings, lists and dicts). ``None``: the
             state's own ``state_dict()`` method if it has one, else the checkpoint's generic

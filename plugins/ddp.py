@@ -271,7 +271,7 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
         own all-reduce.
 
         The callable comes from :func:`~kwplug.plugins.ddp_comm_hooks.compose` (the record's
-        hook, gloo serialisation, the ``comm_wrapper``, canonical buckets for a
+        hook, gloo ordering, the ``comm_wrapper``, canonical buckets for a
         layout-dependent hook with ``parameters`` - the model's, in order - as the canonical
         order)."""
         self._check_state_for_hook()

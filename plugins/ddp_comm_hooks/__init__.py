@@ -9,7 +9,7 @@ registered. :data:`BUILTIN_HOOKS` is the one table of built-in hooks: the names,
 
 Everything a hook's state needs beyond the hook function lives here too, declared on its
 :class:`~kwplug.CommHook` record (built-in and third-party alike): :func:`compose` builds the
-callable DDP registers (hook, compression wrapper, gloo serialisation, canonical buckets) and
+callable DDP registers (hook, compression wrapper, gloo ordering, canonical buckets) and
 :func:`checkpointed_state` what checkpoints save, restore and resize (:class:`HookCheckpoint`).
 
 Every hook follows PyTorch's contract for
@@ -23,15 +23,19 @@ and low-precision all-reduce, compression wrappers), ``_power_sgd`` (PowerSGD st
 and the batched hook), ``_power_sgd_state`` (PowerSGD's save, restore and resize rules),
 ``_compose`` (the registered callable), ``_checkpoint`` (a hook's state as checkpoints see it),
 ``_canonical`` (the layout-independent bucket view that makes a resumed PowerSGD run exact),
-``_adapters`` (gloo serialisation, making any callable acceptable to DDP), ``_common`` (shared
-helpers).
+``_adapters`` (gloo ordering of chained collectives, making any callable acceptable to DDP),
+``_common`` (shared helpers).
 """
 
 from collections.abc import Mapping
 
 from kwplug.comm_hooks import CommHook
 from kwplug.hookspecs import hookimpl
-from kwplug.plugins.ddp_comm_hooks._adapters import ddp_compatible_hook, serialized_hook
+from kwplug.plugins.ddp_comm_hooks._adapters import (
+    ddp_compatible_hook,
+    ordered_hook,
+    serialized_hook,
+)
 from kwplug.plugins.ddp_comm_hooks._allreduce import (
     bf16_compress_allreduce_hook,
     bf16_compress_wrapper,
@@ -108,6 +112,7 @@ __all__ = [
     "load_power_sgd_state",
     "make_power_sgd_state",
     "mean_allreduce_hook",
+    "ordered_hook",
     "power_sgd_state_buckets",
     "power_sgd_state_dict",
     "resize_power_sgd_state",

@@ -1,5 +1,5 @@
 """The hook DDP registers: a :class:`~kwplug.CommHook`'s function with its compression wrapper,
-gloo serialisation and canonical buckets, in that order from the inside out."""
+gloo ordering and canonical buckets, in that order from the inside out."""
 
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from kwplug.comm_hooks import CommHook, HookFn
-from kwplug.plugins.ddp_comm_hooks._adapters import ddp_compatible_hook, serialized_hook
+from kwplug.plugins.ddp_comm_hooks._adapters import ddp_compatible_hook, ordered_hook
 from kwplug.plugins.ddp_comm_hooks._canonical import canonical_bucket_hook
 
 
@@ -31,8 +31,8 @@ def compose(
 
     1. ``record.hook``;
     2. on gloo, when ``record.chains_collectives``,
-       :func:`~kwplug.plugins.ddp_comm_hooks.serialized_hook` (each bucket's collectives
-       issued before the next bucket's);
+       :func:`~kwplug.plugins.ddp_comm_hooks.ordered_hook` (each bucket's hook started after
+       the previous bucket's future completed, without blocking backward);
     3. ``wrapper`` (a ``comm_wrapper``: the hook runs on a low-precision copy);
     4. when ``record.layout_dependent`` (it has ``state_buckets``),
        :func:`~kwplug.plugins.ddp_comm_hooks.canonical_bucket_hook` with ``parameters`` as
@@ -53,7 +53,7 @@ def compose(
     """
     hook = record.hook
     if record.chains_collectives and _on_gloo(state):
-        hook = serialized_hook(hook)
+        hook = ordered_hook(hook)
     if wrapper is not None:
         hook = wrapper(hook)
     if record.state_buckets is not None:

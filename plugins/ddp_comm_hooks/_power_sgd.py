@@ -83,8 +83,10 @@ def _count_step(state: PowerSGDState, bucket: GradBucket) -> None:
 class _OrderedPowerSGDState(PowerSGDState):
     """``PowerSGDState`` plus a second gloo group on which :func:`batched_power_sgd_hook`
     all-reduces ``Q``, so that its collectives keep one order on every rank without waiting
-    inside DDP's autograd callback (see :func:`make_power_sgd_state`). Saved and restored
-    exactly as ``PowerSGDState`` (the groups and the ordering future are never saved)."""
+    inside DDP's autograd callback (see :func:`make_power_sgd_state`), and on which every other
+    bucket of torch's per-tensor ``powerSGD_hook`` runs (:meth:`kwplug_lanes`). Saved and
+    restored exactly as ``PowerSGDState`` (the groups and the ordering future are never
+    saved)."""
 
     __slots__ = ("q_issued", "q_process_group")
     q_issued: torch.futures.Future[None] | None
@@ -94,10 +96,41 @@ class _OrderedPowerSGDState(PowerSGDState):
         # PowerSGDState.__getstate__ reads self.__slots__, which here names only ours.
         return {s: getattr(self, s) for s in PowerSGDState.__slots__ if s != "process_group"}
 
+    def kwplug_lanes(self) -> tuple[Any, ...]:
+        """The lanes :func:`~kwplug.plugins.ddp_comm_hooks.ordered_hook` runs torch's
+        per-tensor ``powerSGD_hook`` on: this state, and a view of it whose collectives go
+        over the second gloo group, when there is one and ``warm_start`` is on (without warm
+        start torch's hook clears every bucket's P and Q memories at each bucket's end, which
+        must not overlap another bucket)."""
+        group = self.q_process_group
+        if group is None or not self.warm_start:
+            return (self,)
+        return (self, _LaneState(self, group))
+
+
+class _LaneState:
+    """``state`` seen through another process group: every attribute but ``process_group`` is
+    read from and written to ``state`` (torch's ``powerSGD_hook`` updates its memories,
+    counters and step through the object it is given)."""
+
+    __slots__ = ("_state", "process_group")
+    _state: PowerSGDState
+    process_group: dist.ProcessGroup
+
+    def __init__(self, state: PowerSGDState, group: dist.ProcessGroup) -> None:
+        object.__setattr__(self, "_state", state)
+        object.__setattr__(self, "process_group", group)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._state, name, value)
+
 
 def _q_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    # A second gloo group for the Q all-reduces of batched PowerSGD, when the hook would
-    # otherwise be serialised (gloo, several ranks). Creating a group is collective: this runs
+    # A second gloo group (gloo, several ranks): batched PowerSGD all-reduces Q on it, and
+    # per-tensor PowerSGD runs every other bucket on it. Creating a group is collective: this runs
     # in make_power_sgd_state, which kwplug calls in wrap_model on every rank, in step.
     if not dist.is_initialized() or dist.get_world_size(process_group) < 2:
         return None
@@ -115,8 +148,9 @@ def make_power_sgd_state(
 
     Returns a ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState(
     process_group=process_group, **options)`` (a subclass that, on gloo with several ranks,
-    also holds a second gloo group for :func:`batched_power_sgd_hook`'s ``Q`` all-reduces;
-    created here, so every rank must call this at the same point, as ``wrap_model`` does).
+    also holds a second gloo group for :func:`batched_power_sgd_hook`'s ``Q`` all-reduces and
+    every other bucket of torch's per-tensor hook with warm start; created here, so every rank
+    must call this at the same point, as ``wrap_model`` does).
     Its defaults apply to omitted options:
     ``matrix_approximation_rank=1``, ``start_powerSGD_iter=1000`` (steps of plain all-reduce
     before compression starts; must be > 1 with error feedback or warm start),

@@ -18,6 +18,7 @@ Needs scikit-learn (the ``test`` extra) for the data.
 import contextlib
 import functools
 import math
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -71,7 +72,18 @@ class ByteCounter:
         self.active = False
         self.bytes = 0
         self.calls: dict[str, int] = {}
-        self.nested = False
+        # Per thread: hooks may issue collectives from several gloo threads at once.
+        self._inside = threading.local()
+        self._lock = threading.Lock()
+
+    @property
+    def nested(self) -> bool:
+        """Whether this thread is inside a counted call (a collective implemented by another)."""
+        return bool(getattr(self._inside, "value", False))
+
+    @nested.setter
+    def nested(self, value: bool) -> None:
+        self._inside.value = value
 
     def add(self, name: str, payload: Any) -> None:
         """Count one call of ``torch.distributed.<name>`` with ``payload`` (a tensor or a list
@@ -79,8 +91,10 @@ class ByteCounter:
         if not self.active:
             return
         tensors = payload if isinstance(payload, (list, tuple)) else [payload]
-        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
-        self.calls[name] = self.calls.get(name, 0) + 1
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        with self._lock:
+            self.bytes += nbytes
+            self.calls[name] = self.calls.get(name, 0) + 1
 
 
 @contextlib.contextmanager
