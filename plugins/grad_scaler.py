@@ -17,6 +17,10 @@ from kwplug.precision import LossScaler
 from kwplug.validators import number, strict_bool
 
 
+#: The largest finite float32: ``torch.amp.GradScaler`` stores its scale in float32.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 @attrs.define
 class GradScalerKwargs(KwargsHandler):
     """Options of ``torch.amp.GradScaler``, used when ``mixed_precision="fp16"``.
@@ -27,7 +31,9 @@ class GradScalerKwargs(KwargsHandler):
     scaler (bfloat16 has float32's range).
 
     Attributes:
-        init_scale: ``float`` > 0, default ``65536.0`` (2**16); the initial loss scale.
+        init_scale: ``float`` > 0 and at most float32's largest value (about 3.4e38: the
+            scaler keeps its scale in a float32 tensor, where a larger one is ``inf`` and no
+            step would ever be taken), default ``65536.0`` (2**16); the initial loss scale.
         growth_factor: ``float`` > 1, default ``2.0``; the scale is multiplied by it after
             ``growth_interval`` steps without inf/NaN gradients.
         backoff_factor: ``float`` in (0, 1), default ``0.5``; the scale is multiplied by it
@@ -40,7 +46,7 @@ class GradScalerKwargs(KwargsHandler):
         ValueError: a field is out of the range above.
     """
 
-    init_scale: float = attrs.field(default=65536.0, validator=number(gt=0))
+    init_scale: float = attrs.field(default=65536.0, validator=number(gt=0, le=_FLOAT32_MAX))
     growth_factor: float = attrs.field(default=2.0, validator=number(gt=1))
     backoff_factor: float = attrs.field(default=0.5, validator=number(gt=0))
     growth_interval: int = attrs.field(default=2000, validator=number(integer=True, ge=1))

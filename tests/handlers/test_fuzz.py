@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 import attrs
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -112,6 +113,24 @@ def test_fuzz_grad_scaler(kwargs: dict[str, Any]) -> None:
         scaler.step(optimizer)
         scaler.update()
         assert math.isfinite(scaler.get_scale()) or not handler.enabled
+
+
+def test_an_init_scale_beyond_float32_is_refused() -> None:
+    # Found by the fuzz test: torch keeps the scale in float32, where 3.402823466385289e38
+    # (just above float32's largest value) is inf; inf * backoff stays inf and every step
+    # would be skipped in silence. The largest finite float32 is accepted and trains.
+    largest = float(torch.finfo(torch.float32).max)
+    with pytest.raises(ValueError, match="'init_scale' must be > 0 and <= 3.40282e"):
+        GradScalerKwargs(init_scale=3.402823466385289e38)
+    scaler = GradScalerKwargs(init_scale=largest).make_scaler(
+        device_type="cpu", mixed_precision="fp16"
+    )
+    assert isinstance(scaler, torch.amp.GradScaler)
+    param = torch.nn.Parameter(torch.ones(2))
+    scaler.scale(param.sum()).backward()  # gradients of `largest` each: finite
+    scaler.step(torch.optim.SGD([param], lr=0.1))
+    scaler.update()
+    assert scaler.get_scale() == largest and torch.equal(param.detach(), torch.full((2,), 0.9))
 
 
 @FUZZ
