@@ -16,7 +16,6 @@ from kwplug.hookspecs import hookimpl
 from kwplug.precision import LossScaler
 from kwplug.validators import number, strict_bool
 
-
 #: The largest finite float32: ``torch.amp.GradScaler`` stores its scale in float32.
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
