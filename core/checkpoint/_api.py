@@ -169,10 +169,9 @@ def _read(
             )
     later = {e.file for e in entries if _later(e)}
     names = sorted(filter(layout.is_own_file, records) if main else wanted & records.keys())
-    states: dict[str, Any] = {}
-    for name in names:  # one file at a time; shapes only for those decoded when loaded
-        lazy = name in later or name not in wanted
-        states[name] = reader.read_state(directory / name, records[name], shapes_only=lazy)
+    # Two files at a time (threads); shapes only for those decoded when loaded.
+    files = [(directory / n, records[n], n in later or n not in wanted) for n in names]
+    states: dict[str, Any] = dict(zip(names, reader.read_states(files), strict=True))
     modules = acc.modules()
     for entry in entries:
         if entry.file in states:
