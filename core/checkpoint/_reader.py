@@ -16,8 +16,9 @@ that hash, so what is loaded is always what the manifest records.
 
 Two threads share the work where it can be shared without holding more memory (``hashlib``
 and ``preadv`` release the GIL): the first pass (:func:`read_states`) verifies two files at
-a time, and decoding hashes tensor ``i`` in a worker thread while safetensors reads tensor
-``i + 1`` (the updates run in order, in one thread: the digest is the file's).
+a time (files decoded whole in the calling thread, the others hashed by a worker), and
+decoding hashes tensor ``i`` in a worker thread while safetensors reads tensor ``i + 1``
+(the updates run in order, in one thread: the digest is the file's).
 """
 
 from __future__ import annotations
@@ -167,7 +168,13 @@ def read_states(
     files: Sequence[tuple[Path, tuple[int, str], bool]], workers: int = WORKERS
 ) -> list[tuple[Any, dict[str, str]]]:
     """:func:`read_state` of each ``(path, expected, shapes_only)`` in ``files``, ``workers``
-    files at a time (threads), in the order given.
+    files at a time, returned in the order given.
+
+    The files decoded whole are read in the calling thread, those checked from their shapes
+    (hashed only) by ``workers - 1`` threads meanwhile (``workers`` when none is decoded):
+    decoded tensors are allocated where the load frees them and allocates the next file's
+    (glibc keeps one heap per thread: tensors of a worker's heap, freed, would stay resident
+    next to the main thread's, doubling the peak).
 
     Args:
         files: the files to verify, each with its manifest record and whether only its
@@ -175,19 +182,28 @@ def read_states(
         workers: files read at a time; default :data:`WORKERS` (2).
 
     Raises:
-        CheckpointError: the first file in ``files`` that fails, as :func:`read_state`
-            says; anything else a worker raised (an ``OSError`` from the disk...) as a
-            ``CheckpointError`` naming that file. Files not started yet are not read.
+        CheckpointError: a file that fails, as :func:`read_state` says (the first of this
+            thread's, else the first of the workers' in ``files`` order); anything else a
+            worker raised (an ``OSError`` from the disk...) as a ``CheckpointError`` naming
+            that file. Files not started yet are not read.
     """
-    if len(files) <= 1 or workers <= 1:
+    here = [i for i, file in enumerate(files) if not file[2]]
+    there = [i for i, file in enumerate(files) if file[2]]
+    threads = min(workers - (1 if here else 0), len(there))
+    if len(files) <= 1 or threads < 1:
         return [_read_named(*file) for file in files]
-    with ThreadPoolExecutor(min(workers, len(files)), thread_name_prefix="kwplug-verify") as pool:
-        futures = [pool.submit(_read_named, *file) for file in files]
+    results: dict[int, tuple[Any, dict[str, str]]] = {}
+    with ThreadPoolExecutor(threads, thread_name_prefix="kwplug-verify") as pool:
+        futures = {i: pool.submit(_read_named, *files[i]) for i in there}
         try:
-            return [future.result() for future in futures]
+            for i in here:
+                results[i] = _read_named(*files[i])
+            for i, future in futures.items():
+                results[i] = future.result()
         finally:  # after a failure, the files not started yet are not read
-            for future in futures:
+            for future in futures.values():
                 future.cancel()
+    return [results[i] for i in range(len(files))]
 
 
 def _read_named(path: Path, expected: tuple[int, str], shapes_only: bool) -> Any:
