@@ -137,6 +137,23 @@ def save_state(
 LATER = object()
 
 
+def _held(
+    entries: list[plan.Entry], lazy: set[str], records: dict[str, manifest.Record]
+) -> set[str]:
+    # The first of the files decoded when loaded, in load order, whose tensors together fit
+    # in the largest one's size: decoded in the first pass (hashed once over the bytes decoded,
+    # not twice) and held until loaded, within the memory a load needs anyway (one file).
+    order = list(dict.fromkeys(e.file for e in entries if e.file in lazy))
+    budget = max((records[name][0] for name in order), default=0)
+    held: set[str] = set()
+    for name in order:
+        budget -= records[name][0]
+        if budget < 0:
+            break
+        held.add(name)
+    return held
+
+
 def _later(entry: plan.Entry) -> bool:
     # Models, optimizers, gradients: checked from their shapes, decoded one at a time when
     # loaded (read on rank 0 only, collective entries are decoded at once: every rank waits).
@@ -168,11 +185,11 @@ def _read(
                 f"{directory / entry.file} is missing from the checkpoint", directory / entry.file
             )
     later = {e.file for e in entries if _later(e)}
+    later -= _held(entries, later & wanted & records.keys(), records)
     names = sorted(filter(layout.is_own_file, records) if main else wanted & records.keys())
-    states: dict[str, Any] = {}
-    for name in names:  # one file at a time; shapes only for those decoded when loaded
-        lazy = name in later or name not in wanted
-        states[name] = reader.read_state(directory / name, records[name], shapes_only=lazy)
+    # Two files at a time (threads); shapes only for those decoded when loaded.
+    files = [(directory / n, records[n], n in later or n not in wanted) for n in names]
+    states: dict[str, Any] = dict(zip(names, reader.read_states(files), strict=True))
     modules = acc.modules()
     for entry in entries:
         if entry.file in states:
@@ -265,7 +282,7 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
             continue
         if error is not None and entry.scope != "collective":
             continue  # after a refusal, only what every rank takes part in
-        state = states.get(entry.file, {})
+        state = states.pop(entry.file, {})  # held no longer than its load
         try:  # a file changed in place since it was verified is refused, never loaded
             state = _decoded(acc, directory, records, entry) if state is LATER else state
         except CheckpointError as exc:

@@ -13,6 +13,12 @@ inode (``/proc/self/fd/<fd>``), and its sha256 is computed over the very bytes d
 8-byte header length and the header read from the descriptor, then each tensor's bytes at
 the offset the hashed header gives it. A file changed in place after it was verified fails
 that hash, so what is loaded is always what the manifest records.
+
+Two threads share the work where it can be shared without holding more memory (``hashlib``
+and ``preadv`` release the GIL): the first pass (:func:`read_states`) verifies two files at
+a time (files decoded whole in the calling thread, the others hashed by a worker), and
+decoding hashes tensor ``i`` in a worker thread while safetensors reads tensor ``i + 1``
+(the updates run in order, in one thread: the digest is the file's).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import json
 import os
 import stat
 import struct
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +42,8 @@ from kwplug.errors import CheckpointError
 
 #: The largest safetensors header read (safetensors' own limit).
 HEADER_LIMIT = 100_000_000
+#: Files the first pass (:func:`read_states`) verifies at a time.
+WORKERS = 2
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -154,6 +164,59 @@ def read_state(
     )
 
 
+def read_states(
+    files: Sequence[tuple[Path, tuple[int, str], bool]], workers: int = WORKERS
+) -> list[tuple[Any, dict[str, str]]]:
+    """:func:`read_state` of each ``(path, expected, shapes_only)`` in ``files``, ``workers``
+    files at a time, returned in the order given.
+
+    The files decoded whole are read in the calling thread, those checked from their shapes
+    (hashed only) by ``workers - 1`` threads meanwhile (``workers`` when none is decoded):
+    decoded tensors are allocated where the load frees them and allocates the next file's
+    (glibc keeps one heap per thread: tensors of a worker's heap, freed, would stay resident
+    next to the main thread's, doubling the peak).
+
+    Args:
+        files: the files to verify, each with its manifest record and whether only its
+            tensors' shapes are decoded (see :func:`read_state`).
+        workers: files read at a time; default :data:`WORKERS` (2).
+
+    Raises:
+        CheckpointError: a file that fails, as :func:`read_state` says (the first of this
+            thread's, else the first of the workers' in ``files`` order); anything else a
+            worker raised (an ``OSError`` from the disk...) as a ``CheckpointError`` naming
+            that file. Files not started yet are not read.
+    """
+    here = [i for i, file in enumerate(files) if not file[2]]
+    there = [i for i, file in enumerate(files) if file[2]]
+    threads = min(workers - (1 if here else 0), len(there))
+    if len(files) <= 1 or threads < 1:
+        return [_read_named(*file) for file in files]
+    results: dict[int, tuple[Any, dict[str, str]]] = {}
+    with ThreadPoolExecutor(threads, thread_name_prefix="kwplug-verify") as pool:
+        futures = {i: pool.submit(_read_named, *files[i]) for i in there}
+        try:
+            for i in here:
+                results[i] = _read_named(*files[i])
+            for i, future in futures.items():
+                results[i] = future.result()
+        finally:  # after a failure, the files not started yet are not read
+            for future in futures.values():
+                future.cancel()
+    return [results[i] for i in range(len(files))]
+
+
+def _read_named(path: Path, expected: tuple[int, str], shapes_only: bool) -> Any:
+    try:
+        return read_state(path, expected, shapes_only=shapes_only)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a reading thread's error names its file
+        raise CheckpointError(
+            f"{path} could not be read: {type(exc).__name__}: {exc}", path
+        ) from exc
+
+
 class _Malformed(Exception):
     """Why a file is not a state file kwplug wrote."""
 
@@ -222,7 +285,11 @@ def _decode_tensors(
     done = 0  # bytes of the data section hashed so far
     tensors: dict[str, torch.Tensor] = {}
     source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else os.fspath(path)
-    with safe_open(source, framework="pt", backend="pread") as opened:
+    hashing: list[Future[None]] = []  # in one worker thread, in order: tensor i is hashed
+    with (  # while tensor i + 1 is read; left (joined) before the descriptor is closed
+        ThreadPoolExecutor(1, thread_name_prefix="kwplug-hash") as pool,
+        safe_open(source, framework="pt", backend="pread") as opened,
+    ):
         names = list(opened.offset_keys())
         if sorted(names) != sorted(entries):
             raise ValueError("its tensors are not those its header names")
@@ -238,9 +305,22 @@ def _decode_tensors(
                 raise ValueError(
                     f"tensor {name!r} is not what the header says (changed while read?)"
                 )
-            if tensor.nbytes:
-                digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+            if tensor.nbytes:  # a view of the decoded tensor: no copy
+                data = tensor.reshape(-1).view(torch.uint8).numpy()
+                hashing.append(pool.submit(digest.update, data))
             done += tensor.nbytes
             tensors[name] = tensor
+        for future in hashing:
+            _hashed(path, future)
     _compare(path, (8 + len(raw) + done, digest.hexdigest()), expected)
     return tensors
+
+
+def _hashed(path: Path, future: Future[None]) -> None:
+    # A failure of the hashing thread, as a refusal naming the file (never a partial digest).
+    try:
+        future.result()
+    except Exception as exc:
+        raise CheckpointError(
+            f"{path} could not be verified: {type(exc).__name__}: {exc}", path
+        ) from exc

@@ -163,24 +163,31 @@ def test_load_decodes_with_safe_open_never_whole_file_bytes(
 def test_a_file_changed_after_verification_is_never_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    accelerator, model, _ = _setup(width=64)
+    # The optimizer's file is verified in the first pass (shapes only), then decoded when
+    # loaded (the model's, loaded first, is decoded in the first pass: see
+    # test_checkpoint_threads.py): changed in between, it is refused on its second hash.
+    accelerator, _, optimizer = _setup(width=64)
     accelerator.save_state(tmp_path / "ckpt")
-    target = _version(tmp_path / "ckpt") / "model_0.safetensors"
+    target = _version(tmp_path / "ckpt") / "optimizer_0.safetensors"
     real = reader.read_state
 
     def tamper(path: Path, expected: Any, *, shapes_only: bool = False) -> Any:
         if path == target and not shapes_only:  # verified already: now change it in place
             with path.open("r+b") as handle:
                 handle.seek(-4, os.SEEK_END)
-                handle.write(b"\x00\x00\x80\x7f")  # the last weight becomes +inf
+                handle.write(b"\x00\x00\x80\x7f")  # the last value becomes +inf
         return real(path, expected, shapes_only=shapes_only)
 
     monkeypatch.setattr(reader, "read_state", tamper)
-    with torch.no_grad():
-        model[0].weight.zero_()
-    with pytest.raises(CheckpointError, match="does not match its sha256"):
+    states = optimizer.optimizer.state
+    assert len(states) == 2
+    for state in states.values():
+        state["momentum_buffer"].zero_()
+    with pytest.raises(CheckpointError, match="does not match its sha256") as caught:
         accelerator.load_state(tmp_path / "ckpt")
-    assert torch.count_nonzero(model[0].weight) == 0
+    assert caught.value.file == str(target)
+    for state in optimizer.optimizer.state.values():
+        assert torch.count_nonzero(state["momentum_buffer"]) == 0
 
 
 def test_memory_of_save_and_load_stays_near_one_file(tmp_path: Path) -> None:
