@@ -53,7 +53,12 @@ def shown(value: Any, limit: int = SHOWN) -> str:
     if isinstance(value, (str, bytes)) and len(value) > limit:
         size = len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else len(value)
         return f"{value[:limit]!r}... ({size} bytes)"
-    text = repr(value)
+    if isinstance(value, int) and value.bit_length() > 4 * limit:  # repr is slow, or refused
+        return f"an int of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    try:
+        text = repr(value)
+    except Exception as exc:  # a raising __repr__, a list nested 100,000 deep...
+        return f"<a {type(value).__name__} whose repr raised {type(exc).__name__}>"
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
@@ -158,14 +163,17 @@ class _Number:
         # label is built.
         if type(value) is int or (type(value) is float and not self.integer):
             number = cast(float, value)
-            if (
-                (not self.finite or math.isfinite(number))
-                and (self.gt is None or number > self.gt)
-                and (self.ge is None or number >= self.ge)
-                and (self.lt is None or number < self.lt)
-                and (self.le is None or number <= self.le)
-            ):
-                return
+            try:
+                if (
+                    (not self.finite or math.isfinite(number))
+                    and (self.gt is None or number > self.gt)
+                    and (self.ge is None or number >= self.ge)
+                    and (self.lt is None or number < self.lt)
+                    and (self.le is None or number <= self.le)
+                ):
+                    return
+            except OverflowError:  # an int beyond float's range: _fail says so
+                pass
         self._fail(attribute, value)
 
     def _fail(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -178,7 +186,7 @@ class _Number:
                 f"{label} must be {wanted}, got {shown(value)} of type {type(value).__name__}"
             )
         number = cast(float, value)  # int or float, checked above
-        if self.finite and not math.isfinite(number):
+        if self.finite and not _finite(number):
             raise ValueError(f"{label} must be {self.description or 'finite'}, got {shown(value)}")
         in_range = (
             (self.gt is None or number > self.gt)
@@ -195,6 +203,14 @@ class _Number:
         kind = "int" if self.integer else "number"
         bounds = self._bounds()
         return f"<{kind} validator{' ' + bounds if bounds else ''}>"
+
+
+def _finite(number: float) -> bool:
+    # An int too large for a float (10**400) is no usable setting: torch converts them.
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
 
 
 def number(

@@ -22,7 +22,7 @@ from kwplug.hookspecs import hookimpl
 from kwplug.plugins import ddp_comm_hooks
 from kwplug.plugins._ddp_frozen import is_frozen, warn_frozen
 from kwplug.plugins._ddp_sync import SyncInBackward
-from kwplug.validators import number, strict_bool
+from kwplug.validators import number, shown, strict_bool
 
 
 class DDPCommunicationHookType(str, enum.Enum):
@@ -253,10 +253,17 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
         if record is None:
             known = sorted({"no", *comm_hooks, *ddp_comm_hooks.BUILTIN_HOOK_NAMES})
             by_lower = {k.lower(): k for k in known}
-            close = difflib.get_close_matches(name.lower(), list(by_lower), n=1)
+            # A name longer than any known one is no typo of it (and difflib on a 10 MB
+            # string takes seconds).
+            longest = max(map(len, known))
+            close = (
+                difflib.get_close_matches(name.lower(), list(by_lower), n=1)
+                if len(name) <= 2 * longest
+                else []
+            )
             hint = f"did you mean {by_lower[close[0]]!r}? " if close else ""
             raise ValueError(
-                f"unknown communication hook {name!r} in DistributedDataParallelKwargs."
+                f"unknown communication hook {shown(name)} in DistributedDataParallelKwargs."
                 f"comm_hook; {hint}known hooks: {_quoted(tuple(known))}{_not_loaded()}. "
                 "Register one with "
                 "kwplug.register_comm_hook(name, hook) or contribute it from a plugin's "

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import hookimpl
+from kwplug.validators import shown
 
 DEFAULT_BACKEND = "nccl"
 _NCCL_TIMEOUT = timedelta(seconds=600)
@@ -37,7 +38,7 @@ def _to_timedelta(value: Any) -> Any:
         except (OverflowError, ValueError):  # NaN, infinite or beyond timedelta's range
             raise ValueError(
                 f"'timeout' must be a finite number of seconds up to {_seconds(timedelta.max)}, "
-                f"got {value!r}"
+                f"got {shown(value)}"
             ) from None
     return value
 

@@ -225,3 +225,41 @@ def test_a_short_error_is_left_as_raised() -> None:
     with pytest.raises(TypeError) as info:
         kwplug.ProfileKwargs(on_trace_ready="not callable")
     assert type(info.value).__name__ == "NotCallableError" and len(info.value.args) == 2
+
+
+class _BadRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("repr refused")
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: kwplug.DistributedDataParallelKwargs(bucket_cap_mb=10**400), "bucket_cap_mb"),
+        (lambda: kwplug.DistributedDataParallelKwargs(dim=10**5000), "dim"),
+        (
+            lambda: kwplug.DistributedDataParallelKwargs(
+                comm_hook="power_sgd", comm_state_option={"matrix_approximation_rank": 10**4000}
+            ),
+            "matrix_approximation_rank",
+        ),
+        (lambda: kwplug.InitProcessGroupKwargs(timeout=10**10000), "timeout"),
+        (lambda: kwplug.DistributedDataParallelKwargs(bucket_cap_mb=_BadRepr()), "bucket_cap_mb"),
+    ],
+    ids=["int beyond float", "int of 5001 digits", "option", "timeout", "raising repr"],
+)
+def test_an_unprintable_or_unrepresentable_number_is_a_clear_error(build: Any, field: str) -> None:
+    # A new user's trial: these raised OverflowError, Python's "Exceeds the limit (4300
+    # digits)" ValueError without the field, or the value's own __repr__ error.
+    with pytest.raises((TypeError, ValueError)) as info:
+        build()
+    assert field in str(info.value) and len(str(info.value)) < 500
+
+
+def test_a_huge_unknown_comm_hook_name_is_not_echoed_whole() -> None:
+    # The name is checked when the Accelerator resolves it; the message quoted it whole (a
+    # 10 MB name: a 10 MB message, 1.3 s in difflib).
+    handler = kwplug.DistributedDataParallelKwargs(comm_hook="x" * 10_000_000)
+    with pytest.raises(ValueError, match="unknown communication hook") as info:
+        kwplug.Accelerator(cpu=True, kwargs_handlers=[handler])
+    assert len(str(info.value)) < 5_000 and "(10000000 bytes)" in str(info.value)
