@@ -252,6 +252,15 @@ def resume_under(library: str, folder: str) -> dict[str, Any]:
                 if step == 2:
                     if via == "state_dict":
                         state = loader.state_dict()
+                    elif library == "accelerate" and via == "save_state":
+                        # Every process of Accelerate writes the same dl_state_dict.bin with
+                        # torch.save, unlocked: a process could read it while another still
+                        # writes (CI saw "Unsupported operand"). They take turns here, process
+                        # 1 last, as the comparison below expects, and all finish before a load.
+                        for turn in range(accelerator.num_processes):
+                            if turn == accelerator.process_index:
+                                accelerator.save_state(target)
+                            accelerator.wait_for_everyone()
                     else:
                         accelerator.save_state(target)
                 if step > 2:
