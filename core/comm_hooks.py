@@ -13,6 +13,9 @@ these; neither knows any hook.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +45,49 @@ LoadState = Callable[[Any, Any], None]
 ResizeState = Callable[[Any, int, int], Any]
 
 _OPTIONAL_CALLABLE = attrs.validators.optional(attrs.validators.is_callable())
+
+# Hooks whose signature was checked already: handlers are re-validated on every ``no_sync``.
+_TAKES_STATE_AND_BUCKET: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def check_hook_signature(field: str, hook: Any) -> None:
+    """Raise ``TypeError`` now when ``hook`` cannot be called as ``hook(state, bucket)``.
+
+    DDP calls a communication hook with two positional arguments only at the first
+    ``backward``; a hook that takes another number would fail there, deep in the reducer.
+    Callables whose signature Python cannot read (some builtins) are accepted as given.
+
+    Args:
+        field: the name the error gives for ``hook`` (e.g. ``"comm_hook"``).
+        hook: the callable to check.
+
+    Raises:
+        TypeError: ``hook`` does not accept ``(state, bucket)`` positionally.
+    """
+    try:
+        if hook in _TAKES_STATE_AND_BUCKET:
+            return
+    except TypeError:  # unhashable, or not weakly referable: check each time
+        pass
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"'{field}' must accept two positional arguments, hook(state, bucket) -> "
+            "torch.futures.Future[torch.Tensor] (DistributedDataParallel.register_comm_hook); "
+            f"{getattr(hook, '__qualname__', type(hook).__name__)} has the signature "
+            f"{str(signature)[:200]}"
+        ) from None
+    with contextlib.suppress(TypeError):  # not weakly referable: checked each time
+        _TAKES_STATE_AND_BUCKET.add(hook)
+
+
+def _check_hook(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    check_hook_signature(attribute.name, value)
 
 
 @attrs.frozen
@@ -90,7 +136,9 @@ class CommHook:
     """
 
     name: str = attrs.field(validator=attrs.validators.instance_of(str))
-    hook: HookFn = attrs.field(validator=attrs.validators.is_callable())
+    hook: HookFn = attrs.field(
+        validator=attrs.validators.and_(attrs.validators.is_callable(), _check_hook)
+    )
     make_state: StateFactory | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
     )
@@ -183,8 +231,9 @@ def register_comm_hook(
         The :class:`CommHook` record.
 
     Raises:
-        TypeError: ``hook`` or ``make_state`` is not callable, ``name`` is not a ``str``, or a
-            name in ``state_rules`` is not a :class:`CommHook` field.
+        TypeError: ``hook`` or ``make_state`` is not callable, ``hook`` cannot be called as
+            ``hook(state, bucket)``, ``name`` is not a ``str``, or a name in ``state_rules`` is
+            not a :class:`CommHook` field.
         ValueError: ``name`` is empty or already registered (and ``replace`` is false).
     """
     if not isinstance(name, str) or not name:

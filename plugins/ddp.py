@@ -15,7 +15,7 @@ import torch
 
 from kwplug import checkpoint
 from kwplug._plugins import discover
-from kwplug.comm_hooks import CommHook, HookFn
+from kwplug.comm_hooks import CommHook, HookFn, check_hook_signature
 from kwplug.errors import KwplugWarning
 from kwplug.handler import TO_KWARGS, KwargsHandler
 from kwplug.hookspecs import hookimpl
@@ -85,6 +85,7 @@ def _check_comm_hook(instance: Any, attribute: attrs.Attribute[Any], value: Any)
             )
         return
     if callable(value) and not isinstance(value, type):
+        check_hook_signature(attribute.name, value)
         return
     raise TypeError(
         f"'{attribute.name}' must be a DDPCommunicationHookType, one of {_quoted(_HOOK_VALUES)}, "
@@ -178,7 +179,10 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
 
     Raises:
         TypeError: a field has the wrong type (``bool`` is not an ``int`` here, and ``0``/``1``
-            are not bools); the message names the field and what it accepts.
+            are not bools); the message names the field and what it accepts. A callable
+            ``comm_hook`` that cannot be called as ``hook(state, bucket)`` (its signature is
+            read with :func:`inspect.signature`) is a ``TypeError`` here, not at the first
+            ``backward``.
         ValueError: ``bucket_cap_mb`` <= 0 or above :data:`MAX_BUCKET_CAP_MB`; an empty
             ``comm_hook`` name; a ``comm_wrapper``
             other than no/fp16/bf16; at construction, ``comm_state_option`` keys that the

@@ -225,6 +225,30 @@ def test_comm_hook_custom_names_and_callables_kept() -> None:
     assert handler.comm_hook is partial
 
 
+def test_a_hook_that_cannot_take_state_and_bucket_is_refused_at_construction() -> None:
+    # DDP would call it only at the first backward, deep in the reducer.
+    for bad, shown in ((lambda: None, "()"), (lambda bucket: None, "(bucket)")):
+        with pytest.raises(TypeError, match=r"'comm_hook' must accept two positional") as info:
+            DDPK(comm_hook=bad)
+        assert shown in str(info.value)
+        handler = DDPK()
+        with pytest.raises(TypeError, match="'comm_hook'"):
+            handler.comm_hook = bad
+        assert handler.comm_hook == H.NO
+        with pytest.raises(TypeError, match="'hook' must accept two positional"):
+            kwplug.register_comm_hook("kwplug-test-arity", bad)
+    with pytest.raises(TypeError, match=r"\(state, bucket, extra\)"):
+        DDPK(comm_hook=lambda state, bucket, extra: None)
+    # Everything torch itself could call as hook(state, bucket) is accepted.
+    for good in (
+        default_hooks.allreduce_hook,
+        lambda *args: None,
+        lambda state, bucket, extra=1: None,
+        functools.partial(lambda tag, state, bucket: None, "tag"),
+    ):
+        assert DDPK(comm_hook=good).comm_hook is good
+
+
 def test_power_sgd_options_checked_at_construction() -> None:
     DDPK(comm_hook="power_sgd", comm_state_option={"matrix_approximation_rank": 4})
     for name in ("power_sgd", H.BATCHED_POWER_SGD):
