@@ -19,6 +19,8 @@ A checkpoint directory ``DIR`` (which may hold anything else too)::
         <anything>                  files a save_state pre-hook wrote (_prehooks.py)
         MANIFEST.json               every file above with its size and sha256
         COMPLETE                    written last: a version without it does not exist
+        .tmpXXXXXX                  only in an unfinished version: safetensors' file being
+                                    written (renamed into place when done)
     .kwplug-trash-<n>-<pid>/      a version being deleted (never read)
 
 Every ``.safetensors`` file is written by :mod:`kwplug.checkpoint._codec` (no pickles).
@@ -40,6 +42,9 @@ _OWN_FILE = re.compile(
     r"(model|optimizer|custom|rank|accumulation)_\d+\.safetensors|scaler\.safetensors"
     r"|MANIFEST\.json|COMPLETE|\.COMPLETE\.tmp"
 )
+#: safetensors' ``save_file`` (0.8 and later) writes ``.tmp`` and six letters or digits beside
+#: its target and renames it into place: a save killed meanwhile leaves one behind.
+_WRITER_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
 def model_file(index: int) -> str:
@@ -75,6 +80,13 @@ def is_rank_file(name: str) -> bool:
 def is_own_file(name: str) -> bool:
     """True for a name kwplug writes inside a version folder."""
     return _OWN_FILE.fullmatch(name) is not None
+
+
+def is_writer_temp(name: str) -> bool:
+    """True for the temporary file safetensors' ``save_file`` writes a state file through
+    (``.tmpXXXXXX`` in the version folder): an unfinished version that holds one is a killed
+    save's, deleted and saved into again like any other."""
+    return _WRITER_TEMP.fullmatch(name) is not None
 
 
 def version_name(number: int) -> str:

@@ -192,13 +192,14 @@ def listed(folder: Path) -> set[str]:
 
 
 def owned(folder: Path) -> bool:
-    """True when ``folder`` holds only regular files: kwplug's own names, and those its
-    manifest lists (what save hooks wrote); only such a version folder is ever deleted."""
+    """True when ``folder`` holds only regular files: kwplug's own names (safetensors'
+    temporary files among them), and those its manifest lists (what save hooks wrote); only
+    such a version folder is ever deleted."""
     extra = listed(folder)
     for name in manifest.files(folder):
         path = folder / name
         if path.is_symlink() or not path.is_file():
             return False
-        if not (layout.is_own_file(name) or name in extra):
+        if not (layout.is_own_file(name) or layout.is_writer_temp(name) or name in extra):
             return False
     return True
