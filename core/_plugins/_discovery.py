@@ -33,7 +33,7 @@ import attrs
 from kwplug._plugins import _cache
 from kwplug._plugins._cache import CachedDistribution, CachedEntryPoint, EntryPointLike
 from kwplug._plugins._controls import LoadControls
-from kwplug._plugins._guard import kwplug_kept
+from kwplug._plugins._guard import kwplug_kept, preload
 from kwplug._plugins._manager import KwplugPluginManager
 from kwplug._plugins._own import CORE, is_own_distribution, normalise
 from kwplug._plugins._records import GROUP, PluginRecord, plugin_object
@@ -58,6 +58,8 @@ def _load(ep: EntryPointLike) -> PluginRecord:
     distribution, version = _dist(ep)
     record = PluginRecord(ep.name, ep.value, distribution, version, builtin=_builtin(ep))
     _import_torch()  # not timed: load_seconds is the plugin's own import
+    if not record.builtin:
+        preload()  # every kwplug module in the guard's snapshot (not timed either)
     start = time.perf_counter()
     # An import cannot be interrupted from Python, so a hung plugin cannot be skipped; but it
     # is named while it hangs (from a timer thread) instead of leaving a silent process.

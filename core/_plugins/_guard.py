@@ -11,6 +11,10 @@ Discovery imports kwplug's built-ins first, then each third-party plugin inside
   deleted or added (``AutocastKwargs.autocast = ...``), as a monkeypatch at import does;
 
 restores each, and reports them, so that discovery marks the plugin failed with what it changed.
+A module must be in ``sys.modules`` for the snapshot to hold it, so before the first
+third-party import :func:`preload` imports every module of kwplug (but ``kwplug.testing``):
+one that a plugin imported itself and patched (``kwplug.utils.random.set_seed``, while nothing
+had imported ``kwplug.utils.random`` yet) would otherwise be taken as found.
 Python cannot stop code from doing anything; this stops an import from doing it silently, and
 keeps kwplug, the built-ins already loaded and every later plugin working.
 """
@@ -18,7 +22,9 @@ keeps kwplug, the built-ins already loaded and every later plugin working.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import pkgutil
 import sys
 from collections.abc import Iterator
 from types import ModuleType
@@ -28,6 +34,36 @@ _ROOT = "kwplug"
 _MISSING: Any = object()
 # Bindings Python itself changes while other code runs (warnings' per-module registry).
 _VOLATILE = frozenset({"__warningregistry__"})
+
+
+# Not preloaded: the test kit (it imports pytest) and the command-line entry module.
+_NOT_PRELOADED = (f"{_ROOT}.testing", f"{_ROOT}.__main__")
+_preloaded = False
+
+
+def preload() -> None:
+    """Import every module of ``kwplug`` and ``kwplug.plugins`` (but ``kwplug.testing``), once
+    per process, so that :func:`kwplug_kept` sees all of them (about 20 ms, paid only where a
+    third-party plugin is imported). A module that cannot be imported here (an optional
+    dependency missing, e.g. ``torchdata``) is skipped: a plugin cannot import it either."""
+    global _preloaded
+    if _preloaded:
+        return
+    _preloaded = True
+    folders = [(_ROOT, sys.modules[_ROOT].__path__), (f"{_ROOT}.plugins", None)]
+    while folders:
+        package, path = folders.pop()
+        if path is None:
+            path = importlib.import_module(package).__path__
+        for info in pkgutil.iter_modules(path, f"{package}."):
+            if info.name.startswith(_NOT_PRELOADED):
+                continue
+            try:
+                module = importlib.import_module(info.name)
+            except Exception:  # not importable (a missing optional dependency): nothing to patch
+                continue
+            if info.ispkg:
+                folders.append((info.name, module.__path__))
 
 
 def _ours(name: str) -> bool:

@@ -1,19 +1,23 @@
 """Issue 18 item 4: a broken third-party plugin cannot remove mixed precision.
 
-Two plugins are pip-installed for real: one replaces ``sys.modules["kwplug"]`` and
+Three plugins are pip-installed for real: one replaces ``sys.modules["kwplug"]`` and
 ``sys.modules["kwplug.plugins"]`` at import, one monkeypatches the built-ins (a method of
-``AutocastKwargs``, the module binding of ``GradScalerKwargs``). The built-ins still load,
+``AutocastKwargs``, the module binding of ``GradScalerKwargs``), one patches modules it imports
+itself (``kwplug.utils.random.set_seed``, ``Accelerator.backward``). The built-ins still load,
 ``Accelerator(mixed_precision="fp16")`` trains in float16 with a gradient scaler, each broken
 plugin is named with what it changed, and a feature whose provider is blocked is an error.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import textwrap
 from pathlib import Path
 
 import pytest
 from plugin_site import pip_install, run_json
+from python import python
 
 BROKEN = {
     "clobber": textwrap.dedent("""
@@ -27,6 +31,14 @@ BROKEN = {
         import kwplug.plugins.grad_scaler as grad_scaler
         autocast.AutocastKwargs.autocast = lambda self, device_type, mixed_precision: None
         grad_scaler.GradScalerKwargs = None
+    """),
+    # Modules that nothing of kwplug had imported when plugins load (kwplug.utils.random; and
+    # kwplug.accelerator in the command line): the plugin imports them itself and patches them.
+    "lazy": textwrap.dedent("""
+        import kwplug.utils.random as random_utils
+        import kwplug.accelerator as accelerator_module
+        random_utils.set_seed = lambda seed, *args, **kwargs: None
+        accelerator_module.Accelerator.backward = lambda self, loss, **kwargs: None
     """),
 }
 
@@ -149,3 +161,37 @@ def test_a_blocked_provider_is_an_error_not_float32(
     assert "is blocked by KWPLUG_BLOCK_PLUGINS" in message
     # the broken third-party plugins are listed too, with why they did not load
     assert "third-party plugin 'clobber' (kwplug-clobber 0.0.1) failed to load" in message
+
+
+def test_a_plugin_cannot_patch_a_module_it_imports_itself(site: Path) -> None:
+    code = textwrap.dedent("""
+        import json
+        import kwplug
+        kwplug.Accelerator(cpu=True)
+        from kwplug.utils import set_seed
+        import kwplug.utils.random as random_utils
+        records = {r.name: r for r in kwplug.discover()}
+        print(json.dumps({
+            "set_seed": f"{set_seed.__module__}.{set_seed.__qualname__}",
+            "backward": "backward" in vars(kwplug.Accelerator),
+            "status": records["lazy"].status, "error": records["lazy"].error,
+        }))
+    """)
+    result = run_json(code, site)
+    # the plugin imported kwplug.utils.random after nothing had: it was taken as found before
+    assert result["set_seed"] == "kwplug.utils.random.set_seed"
+    assert not result["backward"]
+    assert result["status"] == "failed"
+    assert "replaced kwplug.utils.random.set_seed" in result["error"]
+    assert "added kwplug.accelerator.Accelerator.backward" in result["error"]
+
+
+def test_the_command_line_reports_what_a_script_sees(site: Path) -> None:
+    # `kwplug plugins` discovers before anything imports kwplug.accelerator: it said "loaded".
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    env.pop("KWPLUG_DISABLE_PLUGIN_AUTOLOAD", None)
+    out = python("-m", "kwplug", "plugins", "--json", env=env, timeout=120, check=True)
+    rows = {row["name"]: row for row in json.loads(out.stdout)}
+    assert rows["lazy"]["status"] == "failed"
+    assert "added kwplug.accelerator.Accelerator.backward" in rows["lazy"]["error"]
+    assert rows["monkey"]["status"] == rows["clobber"]["status"] == "failed"
