@@ -79,10 +79,22 @@ COMM_HOOKS = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 PROFILE_SCHEDULE = {"wait": 1, "warmup": 1, "active": 3, "repeat": 1}
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Appends an option's default to its help, unless the help says it already or the
+    option has none (``None``): argparse's own formatter wrote both, e.g. "(default: the
+    --config file's, else no) (default: None)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Train a small MLP on scikit-learn's digits with kwplug.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelp,
     )
     parser.add_argument(
         "--config",
@@ -126,7 +138,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--project-dir", default="runs", help="where trackers write (<dir>/train_digits)"
     )
-    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--epochs", type=int, default=12, help="passes over the training split")
     parser.add_argument(
         "--checkpoint-dir",
         default=None,
@@ -134,8 +146,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(e.g. after torchrun --max-restarts restarts a failed worker)",
     )
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--lr", type=float, default=1e-2, help="AdamW learning rate (cosine-annealed)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the data split, initial weights and shuffle order"
+    )
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even with a GPU")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)

@@ -70,8 +70,9 @@ def open_regular(path: Path, size: int | None = None, limit: int | None = None) 
         if not stat.S_ISREG(found.st_mode):
             raise CheckpointError(f"{path} is not a regular file", path)
         if size is not None and found.st_size != size:
+            why = "truncated?" if found.st_size < size else "replaced or appended to?"
             raise CheckpointError(
-                f"{path} has {found.st_size} bytes, the manifest says {size} (truncated?)", path
+                f"{path} has {found.st_size} bytes, the manifest says {size} ({why})", path
             )
         if limit is not None and found.st_size > limit:
             raise CheckpointError(f"{path} is larger than {limit} bytes", path)

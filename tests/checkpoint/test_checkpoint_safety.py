@@ -171,7 +171,8 @@ def unchanged(model: torch.nn.Module, before: torch.Tensor) -> bool:
 @pytest.mark.parametrize(
     ("damage", "expected"),
     [
-        ("truncate", "bytes, the manifest says"),
+        ("truncate", r"bytes, the manifest says \d+ \(truncated\?\)"),
+        ("grow", r"bytes, the manifest says \d+ \(replaced or appended to\?\)"),
         ("corrupt", "does not match its sha256"),
         ("missing", "is missing"),
         ("fifo", "not a regular file"),
@@ -189,6 +190,8 @@ def test_damaged_checkpoint_is_refused_before_anything_loads(
     target = version / "rank_0.safetensors"  # read last: the model would be loaded already
     if damage == "truncate":
         target.write_bytes(target.read_bytes()[:-7])
+    elif damage == "grow":
+        target.write_bytes(target.read_bytes() + b"\0" * 7)
     elif damage == "corrupt":
         data = bytearray(target.read_bytes())
         data[-3] ^= 0xFF
