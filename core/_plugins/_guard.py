@@ -12,7 +12,7 @@ Discovery imports kwplug's built-ins first, then each third-party plugin inside
 
 restores each, and reports them, so that discovery marks the plugin failed with what it changed.
 A module must be in ``sys.modules`` for the snapshot to hold it, so before the first
-third-party import :func:`preload` imports every module of kwplug (but ``kwplug.testing``):
+third-party import :func:`preload` imports every module of the core (but ``kwplug.testing``):
 one that a plugin imported itself and patched (``kwplug.utils.random.set_seed``, while nothing
 had imported ``kwplug.utils.random`` yet) would otherwise be taken as found.
 Python cannot stop code from doing anything; this stops an import from doing it silently, and
@@ -42,19 +42,19 @@ _preloaded = False
 
 
 def preload() -> None:
-    """Import every module of ``kwplug`` and ``kwplug.plugins`` (but ``kwplug.testing``), once
-    per process, so that :func:`kwplug_kept` sees all of them (about 20 ms, paid only where a
-    third-party plugin is imported). A module that cannot be imported here (an optional
-    dependency missing, e.g. ``torchdata``) is skipped: a plugin cannot import it either."""
+    """Import every module of the core (``kwplug.*`` but ``kwplug.testing``), once per
+    process, so that :func:`kwplug_kept` sees all of them (about 30 ms, paid only where a
+    third-party plugin is imported). The built-in plugins (``kwplug.plugins``, another
+    folder) are not: those that load were imported before, and a blocked one is never
+    imported. A module that cannot be imported here (an optional dependency missing, e.g.
+    ``torchdata``) is skipped: a plugin cannot import it either."""
     global _preloaded
     if _preloaded:
         return
     _preloaded = True
-    folders = [(_ROOT, sys.modules[_ROOT].__path__), (f"{_ROOT}.plugins", None)]
+    folders = [(_ROOT, sys.modules[_ROOT].__path__)]
     while folders:
         package, path = folders.pop()
-        if path is None:
-            path = importlib.import_module(package).__path__
         for info in pkgutil.iter_modules(path, f"{package}."):
             if info.name.startswith(_NOT_PRELOADED):
                 continue
