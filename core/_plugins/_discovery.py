@@ -59,7 +59,7 @@ def _load(ep: EntryPointLike) -> PluginRecord:
     record = PluginRecord(ep.name, ep.value, distribution, version, builtin=_builtin(ep))
     _import_torch()  # not timed: load_seconds is the plugin's own import
     if not record.builtin:
-        preload()  # every kwplug module in the guard's snapshot (not timed either)
+        preload()  # every core module in the guard's snapshot (not timed either)
     start = time.perf_counter()
     # An import cannot be interrupted from Python, so a hung plugin cannot be skipped; but it
     # is named while it hangs (from a timer thread) instead of leaving a silent process.
