@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 import kwplug
@@ -39,9 +38,18 @@ while True:
 """
 
 
-def _kill_while_writing(where: Path, mode: str) -> Path:
-    """Run the saver until safetensors' temporary file of a later save exists; SIGKILL it.
-    Returns the temporary file."""
+def _kill_while_writing(root: Path, mode: str) -> Path:
+    """Run the saver (in a fresh folder under ``root``) until safetensors' temporary file of a
+    later save exists, and SIGKILL it there; returns the temporary file. A kill that lands
+    just after the rename (the file gone) is tried again in another folder."""
+    for attempt in range(10):
+        temp = _one_kill(root / f"attempt_{attempt}", mode)
+        if temp is not None:
+            return temp
+    raise AssertionError("10 kills in a row landed after safetensors renamed its file")
+
+
+def _one_kill(where: Path, mode: str) -> Path | None:
     saver = subprocess.Popen(
         [sys.executable, "-c", SAVER, str(where), mode],
         stdout=subprocess.PIPE,
@@ -59,9 +67,7 @@ def _kill_while_writing(where: Path, mode: str) -> Path:
             if temps:
                 saver.send_signal(signal.SIGKILL)
                 saver.wait(timeout=30)
-                if temps[0].exists():
-                    return temps[0]
-                pytest.skip("the writer finished between the look and the kill")  # rare
+                return temps[0] if temps[0].exists() else None
             time.sleep(0.0005)
         raise AssertionError("no safetensors temporary file appeared in 60 s")
     finally:
@@ -81,27 +87,29 @@ def test_automatic_naming_saves_into_the_killed_saves_folder_again(tmp_path: Pat
     temp = _kill_while_writing(tmp_path, "auto")
     killed = temp.parent.parent  # checkpoints/checkpoint_<n>/kwplug-00000001/.tmpXXXXXX
     assert killed.name.startswith("checkpoint_")
-    accelerator, model = _resumed(tmp_path, automatic=True)
+    project = killed.parent.parent
+    accelerator, model = _resumed(project, automatic=True)
     accelerator.load_state()  # the newest complete checkpoint
     assert model.weight.detach()[0, 0].item() in (1.0, 2.0)
     saved = accelerator.save_state()  # refused as "already exists" before the fix
     assert saved == killed
     assert not temp.exists()
     assert sorted(p.name for p in killed.iterdir() if p.is_dir()) == ["kwplug-00000002"]
-    accelerator, model = _resumed(tmp_path, automatic=True)
+    accelerator, model = _resumed(project, automatic=True)
     accelerator.load_state()
     assert accelerator.save_iteration == int(killed.name.split("_")[1]) + 1
 
 
 def test_an_explicit_folder_deletes_the_killed_version(tmp_path: Path) -> None:
-    temp = _kill_while_writing(tmp_path / "ckpt", "dir")
+    temp = _kill_while_writing(tmp_path, "dir")
     unfinished = temp.parent
     assert not (unfinished / layout.MARKER).exists()
+    folder = unfinished.parent
     accelerator, model = _resumed(tmp_path, automatic=False)
-    accelerator.load_state(tmp_path / "ckpt")
+    accelerator.load_state(folder)
     weight = model.weight.detach()
     assert weight[0, 0].item() in (1.0, 2.0) and torch.equal(weight, weight[0, 0].expand_as(weight))
-    accelerator.save_state(tmp_path / "ckpt")
+    accelerator.save_state(folder)
     assert not unfinished.exists()  # kept forever before the fix
-    versions = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir())
-    assert len(versions) == 1 and (tmp_path / "ckpt" / versions[0] / layout.MARKER).is_file()
+    versions = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    assert len(versions) == 1 and (folder / versions[0] / layout.MARKER).is_file()
