@@ -8,16 +8,19 @@ implementation gives ``"tensorboard"`` (:class:`TensorBoardTracker`, needs the
 
 from __future__ import annotations
 
+import itertools
 import json
 import numbers
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
 import torch
 
+from kwplug.errors import KwplugWarning
 from kwplug.hookspecs import hookimpl
 from kwplug.tracking import GeneralTracker, TrackerFactory, flatten_config
 
@@ -138,20 +141,38 @@ class JSONLinesTracker(GeneralTracker):
     and flushed at once, so the file can be followed while training runs. 0-d tensors and
     NumPy scalars are written as numbers. The configuration goes to ``config.json`` next to it.
 
+    A run folder whose log file exists belongs to another run (a concurrent one, or an earlier
+    one): a new run never writes into it. It logs into ``<run_name>-1`` (``-2``...), the first
+    whose log file it could create (``O_EXCL``, so two runs starting at once never share one),
+    with a :class:`~kwplug.errors.KwplugWarning` naming both folders; ``append=True`` continues
+    the existing log instead (a resumed run).
+
     Args:
         run_name: the project name given to ``init_trackers``.
         logging_dir: ``str`` or ``os.PathLike``, the Accelerator's ``logging_dir``.
         filename: the log file's name, default ``"log.jsonl"`` (``init_kwargs["jsonl"]``).
+        append: ``bool``, default ``False``: continue an existing log file of ``run_name``
+            (``init_kwargs={"jsonl": {"append": True}}``) instead of starting a new folder.
+
+    Raises:
+        TypeError: ``append`` is not a ``bool``.
     """
 
     name: ClassVar[str] = "jsonl"
     requires_logging_directory: ClassVar[bool] = True
 
     def __init__(
-        self, run_name: str, logging_dir: str | os.PathLike[str], filename: str = "log.jsonl"
+        self,
+        run_name: str,
+        logging_dir: str | os.PathLike[str],
+        filename: str = "log.jsonl",
+        append: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(append, bool):
+            raise TypeError(f"jsonl tracker: append must be a bool, got {type(append).__name__}")
         self.run_name = run_name
+        self.append = append
         self.directory = Path(logging_dir) / run_name
         self.path = self.directory / filename
         self.file: IO[str] | None = None
@@ -162,9 +183,35 @@ class JSONLinesTracker(GeneralTracker):
         return self.file
 
     def start(self) -> None:
-        """Create the run folder and open the log file for appending."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.file = self.path.open("a", encoding="utf-8")
+        """Create the run folder and its log file (see the class docstring for a name in use).
+
+        Raises:
+            OSError: the folder or the file cannot be created.
+        """
+        if self.append:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.file = self.path.open("a", encoding="utf-8")
+            return
+        first, name = self.directory, self.path.name
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+        for suffix in itertools.count():
+            folder = first if suffix == 0 else first.with_name(f"{first.name}-{suffix}")
+            folder.mkdir(parents=True, exist_ok=True)
+            try:  # O_EXCL: the run that creates the log file owns the folder
+                fd = os.open(folder / name, flags, 0o666)
+            except FileExistsError:
+                continue
+            break
+        self.directory, self.path = folder, folder / name
+        self.file = os.fdopen(fd, "a", encoding="utf-8")
+        if folder != first:
+            warnings.warn(
+                f"jsonl tracker: {first / name} belongs to another run of {self.run_name!r}; "
+                f"this run logs into {folder} (init_kwargs={{'jsonl': {{'append': True}}}} "
+                "continues that log instead)",
+                KwplugWarning,
+                stacklevel=2,
+            )
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
         """Write ``values`` to ``config.json`` in the run folder."""

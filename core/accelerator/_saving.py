@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 
 from kwplug._plugins import KwplugPluginManager
+from kwplug._umask import follow_umask
 from kwplug.accelerator._precision import remove_mixed_precision
 from kwplug.checkpoint._sharded import full_model_state, is_sharded
 
@@ -183,6 +184,12 @@ def save(obj: Any, f: str | os.PathLike[str], safe_serialization: bool) -> None:
         from safetensors.torch import save_file
 
         save_file(dedupe_shared(obj), os.fspath(f), metadata={"format": "pt"})
+        # save_file's temporary file is 0600 whatever the umask; torch.save follows it.
+        fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        try:
+            follow_umask(fd)
+        finally:
+            os.close(fd)
     else:
         torch.save(obj, f)
 

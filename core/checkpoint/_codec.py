@@ -29,6 +29,8 @@ import safetensors
 import safetensors.torch
 import torch
 
+from kwplug._umask import follow_umask
+
 META_KEY = "kwplug"
 _SCALARS = (type(None), bool, int, float, str)
 #: safetensors' dtype names (its format's ``dtype`` field) and the torch dtypes they denote.
@@ -179,6 +181,7 @@ def write_state(path: Path, state: Any, extra: dict[str, str] | None = None) -> 
         raise OSError(code, os.strerror(code), str(path)) from None
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     try:
+        follow_umask(fd)  # save_file's temporary file is 0600 whatever the umask
         # The hash needs only the page cache, fsync only the disk: overlapped, the save costs
         # about the longer of the two. The pool is left (joined) before fd is closed.
         with ThreadPoolExecutor(1, thread_name_prefix="kwplug-hash") as pool:
