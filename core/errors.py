@@ -106,6 +106,31 @@ class FrozenModelWarning(KwplugWarning):
         self.model = model
 
 
+class TrackerTimeoutError(KwplugError, RuntimeError):
+    """A tracker did not finish starting (or storing the configuration) within
+    ``KWPLUG_TRACKER_TIMEOUT`` seconds, e.g. a tracking server that accepts and never replies.
+    Not a ``TimeoutError``: HTTP clients retry those, and this one must end the wait.
+
+    Attributes:
+        tracker: the tracker's name (``"mlflow"``).
+        endpoint: where it connects, or ``None`` when the tracker does not say.
+        seconds: the deadline that passed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tracker: str | None = None,
+        endpoint: str | None = None,
+        seconds: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.tracker = tracker
+        self.endpoint = endpoint
+        self.seconds = seconds
+
+
 class PluginLoadError(KwplugError, RuntimeError):
     """A handler plugin failed to load while ``KWPLUG_STRICT_PLUGINS=1``.
 

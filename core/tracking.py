@@ -83,6 +83,12 @@ class GeneralTracker:
                 "kwplug.tracking.GeneralTracker)"
             )
 
+    @property
+    def endpoint(self) -> str | None:
+        """Where the tracker connects (a server's URI), named when ``init_trackers`` waits on
+        it (see ``KWPLUG_TRACKER_TIMEOUT``); default ``None`` (a local tracker)."""
+        return None
+
     @classmethod
     def is_available(cls) -> bool:
         """Whether this tracker's dependencies are installed (default ``True``); trackers

@@ -106,6 +106,12 @@ class MLflowTracker(GeneralTracker):
         """The ``mlflow.ActiveRun`` (``None`` before :meth:`start` and after :meth:`finish`)."""
         return self.active_run
 
+    @property
+    def endpoint(self) -> str | None:
+        """The tracking URI the run goes to: ``tracking_uri``, else ``MLFLOW_TRACKING_URI``
+        (``None``: MLflow's default local ``mlruns`` folder)."""
+        return self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+
     def start(self) -> None:
         """Find or create the experiment, then start (or resume) the run.
 

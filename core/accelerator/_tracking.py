@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from kwplug._plugins import KwplugPluginManager
+from kwplug.accelerator._tracker_wait import bounded
 from kwplug.tracking import GeneralTracker, TrackerFactory, merge_trackers
 from kwplug.validators import shown
 
@@ -108,11 +109,13 @@ class _Trackers:
                     tracker = factory(project_name, self.logging_dir, **kwargs)
                 else:
                     tracker = factory(project_name, **kwargs)
-            tracker.start()
+            with bounded(_name(tracker), _endpoint(tracker), "start"):
+                tracker.start()
             self.started.append(tracker)
         if config is not None:
             for tracker in self.started:
-                tracker.store_init_configuration(config)
+                with bounded(_name(tracker), _endpoint(tracker), "store_init_configuration"):
+                    tracker.store_init_configuration(config)
 
     def log(
         self,
@@ -156,3 +159,16 @@ def _as_list(log_with: Any) -> list[Any]:
     if isinstance(log_with, Sequence):
         return list(log_with)
     return [log_with]
+
+
+def _name(tracker: GeneralTracker) -> str:
+    return str(getattr(tracker, "name", type(tracker).__name__))
+
+
+def _endpoint(tracker: GeneralTracker) -> str | None:
+    # A tracker written for Accelerate has no endpoint; a broken property must not stop a run.
+    try:
+        endpoint = getattr(tracker, "endpoint", None)
+    except Exception:
+        return None
+    return endpoint if isinstance(endpoint, str) else None
