@@ -22,6 +22,8 @@ from pathlib import Path
 
 #: The source folders and the package each holds (pyproject.toml's ``package-dir``).
 SOURCES = (("core", "kwplug"), ("plugins", "kwplug.plugins"))
+#: When an import runs: at import, when its function runs, or only for type checkers.
+KINDS = ("module", "function", "type")
 
 
 @dataclass(frozen=True)
