@@ -4,8 +4,9 @@ view of the live ``Accelerator``'s.
 Accelerate keeps one process-wide ``GradientState`` singleton that every ``Accelerator`` and
 prepared data loader share. kwplug keeps that state per Accelerator
 (``accelerator.gradient_state``); ``GradientState()`` reads the one of the live Accelerator
-(the most recent one still referenced, see :mod:`kwplug.state`), so a script that builds it
-to ask ``sync_gradients`` or ``end_of_dataloader`` gets the same answers as under Accelerate.
+(the most recent one still referenced, in :mod:`kwplug._runtime`'s registry), so a script
+that builds it to ask ``sync_gradients`` or ``end_of_dataloader`` gets the same answers as
+under Accelerate.
 Without a live Accelerator the answers are those of Accelerate's fresh singleton (no
 accumulation, no loader).
 """
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from kwplug._runtime import live_accelerator
+
 __all__ = ["GradientState"]
 
 
 def _live() -> Any:
-    from kwplug.state import _accelerator
-
-    accelerator = _accelerator()
+    accelerator = live_accelerator()
     return None if accelerator is None else accelerator.gradient_state
 
 

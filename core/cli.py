@@ -10,9 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kwplug._plugins import PluginRecord, discover
-from kwplug._plugins._controls import LoadControls
-from kwplug._plugins._discovery import strict_error
+from kwplug._plugins import LoadControls, PluginRecord, discover, strict_error
 from kwplug.errors import PluginLoadError
 
 COLUMNS = ("name", "class", "distribution", "version", "hooks", "status", "source")

@@ -27,7 +27,7 @@ DataLoaderShard = PreparedDataLoader
 DataLoaderDispatcher = DispatchedDataLoader
 
 # kwplug.data's names (its __all__ is their one list), and Accelerate's own.
-__all__ = ["DataLoaderDispatcher", "DataLoaderShard", "prepare_data_loader", "skip_first_batches"]
+__all__ = ["DataLoaderDispatcher", "DataLoaderShard", "prepare_data_loader"]
 __all__ += _data.__all__
 
 #: The generators a prepared loader keeps equal across processes by itself.
@@ -130,21 +130,3 @@ def prepare_data_loader(
     )
     prepared.device_placement = put_on_device
     return prepared
-
-
-def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
-    """Make the next iteration of a prepared ``dataloader`` skip its first ``num_batches``
-    batches (Accelerate's function; ``accelerator.skip_first_batches`` without an
-    Accelerator). Returns the same loader.
-
-    Raises:
-        TypeError: ``dataloader`` was not prepared by kwplug.
-        ValueError: ``num_batches < 0``.
-    """
-    if not isinstance(dataloader, PreparedDataLoader):
-        raise TypeError(
-            "skip_first_batches needs a data loader returned by accelerator.prepare (or "
-            f"prepare_data_loader), got {type(dataloader).__name__}"
-        )
-    dataloader.skip_first_batches(num_batches)
-    return dataloader

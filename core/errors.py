@@ -6,12 +6,17 @@ code keep working), and carries what its message names as attributes, for progra
 it. Warnings subclass :class:`KwplugWarning` (a ``UserWarning``). The messages are unchanged; the
 attributes default to ``None`` when a raise site does not know them. Every error pickles with its
 attributes (``BaseException`` keeps an instance's ``__dict__`` across ``pickle``).
+:func:`user_stacklevel` points a warning at the user's line.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
+
+# kwplug's core folder (kwplug/, core/ in a checkout): the frames user_stacklevel skips.
+_CORE = os.path.dirname(os.path.abspath(__file__))
 
 
 class KwplugError(Exception):
@@ -279,4 +284,34 @@ __all__ = [
     "PluginLoadWarning",
     "RankMismatchError",
     "TrackerConfigWarning",
+    "user_stacklevel",
 ]
+
+
+def user_stacklevel(*also: str) -> int:
+    """The ``stacklevel`` that makes a warning issued by the calling function name the first
+    frame outside kwplug: ``warnings.warn(warning, stacklevel=user_stacklevel())``.
+
+    Frames in kwplug's core folder, in its built-in plugins' folder (once imported) and in the
+    ``also`` folders are skipped, so the warning names the user's line (``Accelerator()``,
+    ``prepare``, ``init_trackers``...) whatever depth kwplug reached it from, where
+    ``stacklevel=2`` would name the calling function's caller only.
+
+    Args:
+        also: further folders whose frames are skipped (e.g. pluggy's, for a warning issued
+            inside a hook call).
+
+    Returns:
+        ``int``, 2 or more (2: the calling function's caller).
+    """
+    folders = [_CORE, *also]
+    plugins = sys.modules.get("kwplug.plugins")  # not imported: none of its frames can exist
+    if plugins is not None and plugins.__file__:
+        folders.append(os.path.dirname(os.path.abspath(plugins.__file__)))
+    skipped = tuple(os.path.join(folder, "") for folder in folders)
+    frame, level = sys._getframe(2), 2  # the calling function's caller
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        skipped
+    ):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -21,6 +21,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+#: The values of ``mixed_precision`` (``Accelerator``, ``AcceleratorState``); also
+#: ``kwplug.accelerator.MIXED_PRECISION``.
+MIXED_PRECISION = ("no", "fp16", "bf16")
+
 #: The methods the core calls on a ``make_scaler`` answer.
 METHODS = ("scale", "unscale_", "step", "update", "get_scale", "state_dict", "load_state_dict")
 

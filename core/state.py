@@ -10,6 +10,10 @@ needed: each is a cheap view, before, alongside or after an ``Accelerator``.
 ``AcceleratorState()`` adds ``mixed_precision`` and the ``distributed_type`` of the live
 ``Accelerator`` (the most recent one still referenced; a weak reference, nothing is kept alive).
 
+This module is a layer on top of the Accelerator: it imports what both share
+(:mod:`kwplug._runtime`: the rank predicates, the live-Accelerator registry, process-group
+set-up) and nothing of :mod:`kwplug.accelerator`.
+
 ``from accelerate.state import PartialState`` ports as ``from kwplug.state import
 PartialState`` (also ``from kwplug import PartialState``).
 """
@@ -18,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,30 +29,23 @@ import torch
 import torch.distributed as dist
 
 from kwplug._environment import ProcessInfo, end_process_group, select_device
+from kwplug._runtime import (
+    Ranks,
+    assign_distributed_type,
+    forget_accelerator,
+    init_process_group,
+    live_accelerator,
+    split_between_processes,
+    wait_for_everyone,
+)
 from kwplug._state_gradient import GradientState
-from kwplug.accelerator import _ops, _process
+from kwplug.precision import MIXED_PRECISION
 from kwplug.utils.dataclasses import DistributedType, default_distributed_type
 
 __all__ = ["AcceleratorState", "GradientState", "PartialState"]
 
 
-# The most recently constructed Accelerator, weakly: what AcceleratorState() reports for
-# mixed_precision and distributed_type while it is alive (see register_accelerator).
-_live_accelerator: weakref.ref[Any] | None = None
-
-
-def register_accelerator(accelerator: Any) -> None:
-    """Record ``accelerator`` (weakly) as the one :class:`AcceleratorState` describes; called
-    by ``Accelerator.__init__``."""
-    global _live_accelerator
-    _live_accelerator = weakref.ref(accelerator)
-
-
-def _accelerator() -> Any:
-    return None if _live_accelerator is None else _live_accelerator()
-
-
-class PartialState(_process.Ranks):
+class PartialState(Ranks):
     """The process's place in the run, without an ``Accelerator`` (Accelerate's
     ``PartialState``).
 
@@ -86,7 +82,11 @@ class PartialState(_process.Ranks):
         info = ProcessInfo.current()
         self.device: torch.device = select_device(cpu, info.local_rank)
         if info.world_size > 1 and not dist.is_initialized():
-            info = _init_process_group(info, self.device.type)
+            # As an Accelerator does: the plugins' init_process_group hook, through the manager
+            # an Accelerator without handlers has (the plugins load only here).
+            from kwplug._plugins import discover, manager_for
+
+            info = init_process_group(manager_for([], discover()), info, self.device.type)
         self.num_processes = info.world_size
         self.process_index = info.rank
         self.local_process_index = info.local_rank
@@ -126,7 +126,7 @@ class PartialState(_process.Ranks):
 
     def wait_for_everyone(self) -> None:
         """``torch.distributed.barrier()`` when distributed; nothing otherwise."""
-        _ops.wait_for_everyone(self.num_processes)
+        wait_for_everyone(self.num_processes)
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
@@ -136,9 +136,7 @@ class PartialState(_process.Ranks):
         Raises:
             ValueError: a dict's values have different lengths.
         """
-        yield _process.split_between_processes(
-            inputs, self.num_processes, self.process_index, apply_padding
-        )
+        yield split_between_processes(inputs, self.num_processes, self.process_index, apply_padding)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on local rank 0 of each node (as Accelerate's ``PartialState.print``)."""
@@ -150,8 +148,7 @@ class PartialState(_process.Ranks):
         """Forget the live Accelerator, so that a new state no longer reports it (Accelerate
         resets its singletons). kwplug keeps no process-wide state to reset otherwise: an
         existing Accelerator keeps working, and the process group stays."""
-        global _live_accelerator
-        _live_accelerator = None
+        forget_accelerator()
 
     def destroy_process_group(self, group: Any = None) -> None:
         """Destroy ``group``, or the default process group when ``None`` (after collecting
@@ -189,8 +186,6 @@ class AcceleratorState(PartialState):
     def __init__(
         self, mixed_precision: str | None = None, cpu: bool = False, **kwargs: Any
     ) -> None:
-        from kwplug.accelerator import MIXED_PRECISION
-
         unsupported = {
             k: v
             for k, v in kwargs.items()
@@ -202,7 +197,7 @@ class AcceleratorState(PartialState):
                 "(kwplug has no DeepSpeed, Megatron-LM, dynamo or tensor-parallel plugins)"
             )
         super().__init__(cpu)
-        live = _accelerator()
+        live = live_accelerator()
         if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
             raise ValueError(
                 f"AcceleratorState: mixed_precision must be one of "
@@ -241,7 +236,7 @@ class AcceleratorState(PartialState):
     _owner: Any = None  # the Accelerator this state describes (None: the live one)
 
     def _described(self) -> Any:
-        return self._owner or _accelerator()
+        return self._owner or live_accelerator()
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -267,7 +262,7 @@ class AcceleratorState(PartialState):
                 "AcceleratorState.distributed_type can be assigned only while an Accelerator "
                 "exists (it is then what that Accelerator reports)"
             )
-        live._assigned_distributed_type = DistributedType(value)
+        assign_distributed_type(live, DistributedType(value))
 
     @property
     def is_fsdp2(self) -> bool:
@@ -292,16 +287,3 @@ _PLUGIN_KEYS = frozenset(
         "_from_accelerator",
     }
 )
-
-
-def _init_process_group(info: ProcessInfo, device_type: str) -> ProcessInfo:
-    # What an Accelerator does at construction (kwplug.accelerator._setup): the plugins'
-    # init_process_group hook, through the same manager an Accelerator without handlers has.
-    from kwplug._plugins import discover
-    from kwplug._plugins._reuse import manager_for
-    from kwplug.accelerator import _setup
-
-    plugins = manager_for([], discover())
-    info = _setup._init_process_group(plugins, info, device_type)
-    _setup._destroy_process_group_at_exit()
-    return info

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
-import sys
 import types
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from kwplug._additive import merge
-from kwplug.errors import TrackerConfigWarning
+from kwplug.errors import TrackerConfigWarning, user_stacklevel
 
 __all__ = [
     "GeneralTracker",
@@ -216,23 +214,9 @@ def flatten_config(
                 tracker=tracker,
                 keys=tuple(changed),
             ),
-            stacklevel=_outside_kwplug(),
+            stacklevel=user_stacklevel(),
         )
     return flat
-
-
-def _outside_kwplug() -> int:
-    # The stack level of the first caller outside kwplug and its built-in plugins, so the
-    # warning points at the user's init_trackers (or store_init_configuration) line.
-    import kwplug.plugins
-
-    own = tuple(
-        os.path.dirname(os.path.abspath(m.__file__ or "")) for m in (kwplug, kwplug.plugins)
-    )
-    frame, level = sys._getframe(2), 2
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(own):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 _NOT_SCALAR = object()

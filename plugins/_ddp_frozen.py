@@ -10,13 +10,12 @@ applied as for any prepared model -- with a :class:`kwplug.errors.FrozenModelWar
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
 import pluggy
 import torch
 
-from kwplug.errors import FrozenModelWarning
+from kwplug.errors import FrozenModelWarning, user_stacklevel
 
 
 def is_frozen(model: torch.nn.Module) -> bool:
@@ -40,21 +39,6 @@ def warn_frozen(model: torch.nn.Module, world_size: int) -> torch.nn.Module | No
             "evaluation_mode=True)",
             model=name,
         ),
-        stacklevel=_user_level(),
+        stacklevel=user_stacklevel(os.path.dirname(os.path.abspath(pluggy.__file__))),
     )
     return None
-
-
-def _user_level() -> int:
-    # The stack level of the first frame outside kwplug, its built-in plugins and pluggy: the
-    # user's prepare() line.
-    import kwplug
-    import kwplug.plugins
-
-    own = tuple(
-        os.path.dirname(os.path.abspath(m.__file__ or "")) for m in (kwplug, kwplug.plugins, pluggy)
-    )
-    frame, level = sys._getframe(2), 2  # 2: warn_frozen's caller
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(own):
-        frame, level = frame.f_back, level + 1
-    return level

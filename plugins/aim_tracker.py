@@ -47,18 +47,13 @@ class AimTracker(ClientTracker):
     requires_logging_directory: ClassVar[bool] = True
     package: ClassVar[str] = "aim"
     requirement: ClassVar[str | None] = "kwplug[aim]"
+    close_method: ClassVar[str] = "close"  # ends the run and stops its background threads
 
     def __init__(
         self, run_name: str, logging_dir: str | os.PathLike[str] = ".", **kwargs: Any
     ) -> None:
         super().__init__(run_name, **kwargs)
         self.aim_repo_path = os.fspath(logging_dir)
-        self.writer: Any = None
-
-    @property
-    def tracker(self) -> Any:
-        """The ``aim.Run`` (``None`` before :meth:`start` and after :meth:`finish`)."""
-        return self.writer
 
     def start(self) -> None:
         """Start the run: ``aim.Run(repo=logging_dir, **kwargs)``, named ``run_name``.
@@ -73,7 +68,7 @@ class AimTracker(ClientTracker):
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
         """Set the run's ``"hparams"`` to ``values`` (one-element tensors as numbers)."""
-        self.writer["hparams"] = {key: plain_value(value) for key, value in values.items()}
+        self.writer["hparams"] = self.plain(values)
 
     def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
         """``run.track(value, name=key, step=step, **kwargs)`` for each value.
@@ -108,12 +103,6 @@ class AimTracker(ClientTracker):
             image, caption = value if isinstance(value, tuple) else (value, "")
             tracked = aim.Image(image, caption=caption, **image_kwargs)
             self.writer.track(tracked, name=key, step=step, **track_kwargs)
-
-    def finish(self) -> None:
-        """Close the run (``run.close()``: ends it and stops its background threads)."""
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
 
 
 @hookimpl

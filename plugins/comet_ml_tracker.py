@@ -41,15 +41,7 @@ class CometMLTracker(ClientTracker):
     name: ClassVar[str] = "comet_ml"
     package: ClassVar[str] = "comet_ml"
     requirement: ClassVar[str | None] = "kwplug[comet_ml]"
-
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__(run_name, **kwargs)
-        self.writer: Any = None
-
-    @property
-    def tracker(self) -> Any:
-        """The Comet experiment (``None`` before :meth:`start` and after :meth:`finish`)."""
-        return self.writer
+    close_method: ClassVar[str] = "end"  # flushes, or writes the offline archive
 
     def start(self) -> None:
         """Start (or resume) the experiment: ``comet_ml.start(project_name=run_name, ...)``.
@@ -63,7 +55,7 @@ class CometMLTracker(ClientTracker):
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
         """``experiment.log_parameters(values)`` (one-element tensors as numbers)."""
-        self.writer.log_parameters({key: plain_value(value) for key, value in values.items()})
+        self.writer.log_parameters(self.plain(values))
 
     def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
         """Log each value by type at ``step``: numbers with ``log_metric``, strings with
@@ -83,14 +75,7 @@ class CometMLTracker(ClientTracker):
             elif isinstance(value, str):
                 self.writer.log_other(key, value, **kwargs)
             elif isinstance(value, Mapping):
-                plain = {k: plain_value(v) for k, v in value.items()}
-                self.writer.log_metrics(plain, step=step, **kwargs)
-
-    def finish(self) -> None:
-        """End the experiment (``experiment.end()``: flushes, or writes the offline archive)."""
-        if self.writer is not None:
-            self.writer.end()
-            self.writer = None
+                self.writer.log_metrics(self.plain(value), step=step, **kwargs)
 
 
 @hookimpl

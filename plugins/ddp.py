@@ -13,8 +13,7 @@ from typing import Any
 import attrs
 import torch
 
-from kwplug import checkpoint
-from kwplug._plugins import discover
+from kwplug import checkpoint, discover
 from kwplug.comm_hooks import CommHook, HookFn, check_hook_signature
 from kwplug.errors import KwplugWarning
 from kwplug.handler import TO_KWARGS, KwargsHandler

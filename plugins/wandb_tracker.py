@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from kwplug.hookspecs import hookimpl
 from kwplug.plugins._client_tracker import ClientTracker
-from kwplug.tracking import TrackerFactory, plain_value
+from kwplug.tracking import TrackerFactory
 
 __all__ = ["WandBTracker", "trackers"]
 
@@ -39,15 +39,13 @@ class WandBTracker(ClientTracker):
     name: ClassVar[str] = "wandb"
     package: ClassVar[str] = "wandb"
     requirement: ClassVar[str | None] = "kwplug[wandb]"
-
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__(run_name, **kwargs)
-        self.run: Any = None
+    close_method: ClassVar[str] = "finish"  # run.finish(): flushes and, online, uploads
 
     @property
-    def tracker(self) -> Any:
-        """The ``wandb`` run (``wandb.Run``; ``None`` before :meth:`start`)."""
-        return self.run
+    def run(self) -> Any:
+        """The ``wandb`` run (``wandb.Run``, Accelerate's attribute; ``None`` before
+        :meth:`start`): :attr:`tracker`."""
+        return self.writer
 
     def start(self) -> None:
         """Start the run: ``wandb.init(project=run_name, **kwargs)``.
@@ -57,7 +55,7 @@ class WandBTracker(ClientTracker):
                 ``pip install 'kwplug[wandb]'``).
         """
         wandb = self.client()
-        self.run = wandb.init(project=self.run_name, **self.init_kwargs)
+        self.writer = wandb.init(project=self.run_name, **self.init_kwargs)
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
         """Add ``values`` to the run's config (``run.config.update``, values may change).
@@ -66,8 +64,7 @@ class WandBTracker(ClientTracker):
             values: the configuration; nested dicts, lists and numbers are stored as given,
                 one-element tensors as numbers.
         """
-        config = {key: plain_value(value) for key, value in values.items()}
-        self.run.config.update(config, allow_val_change=True)
+        self.run.config.update(self.plain(values), allow_val_change=True)
 
     def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
         """``run.log(values, step=step, **kwargs)``, one-element tensors as numbers.
@@ -80,8 +77,7 @@ class WandBTracker(ClientTracker):
             step: the step, or ``None`` for wandb's own counter.
             kwargs: passed to ``run.log`` (e.g. ``commit``), from ``log_kwargs["wandb"]``.
         """
-        plain = {key: plain_value(value) for key, value in values.items()}
-        self.run.log(plain, step=step, **kwargs)
+        self.run.log(self.plain(values), step=step, **kwargs)
 
     def log_images(
         self, values: Mapping[str, Sequence[Any]], step: int | None = None, **kwargs: Any
@@ -121,12 +117,6 @@ class WandBTracker(ClientTracker):
         wandb = self.client()
         table = wandb.Table(columns=columns, data=data, dataframe=dataframe)
         self.run.log({table_name: table}, step=step, **kwargs)
-
-    def finish(self) -> None:
-        """Finish the run (``run.finish()``: flushes and, online, uploads)."""
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
 
 
 @hookimpl

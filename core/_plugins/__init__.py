@@ -1,4 +1,6 @@
-"""kwplug's plugin machinery (private: import what you need from :mod:`kwplug`).
+"""kwplug's plugin machinery (private: import what you need from :mod:`kwplug`). The rest of
+kwplug imports this package's face, the names below, never its modules
+(``tests/gates/test_layers.py``).
 
 One object, :class:`KwplugPluginManager`, holds an Accelerator's plugins; the modules around
 it each own one concern:
@@ -12,25 +14,45 @@ it each own one concern:
 - ``_relays``: the typed hook relays, ``plugins.first.<hook>(...)`` / ``plugins.each.<hook>(...)``.
 - ``_calls``: ``HookCalls``, the one caller: record, run through pluggy's ``_hookexec``, answer.
 - ``_conflicts``: two third-party defaults claiming one one-answer hook.
+- ``_reuse``: :func:`manager_for`, an Accelerator's manager copied from a template.
 """
 
 from __future__ import annotations
 
+from kwplug._plugins._cache import EntryPointLike
 from kwplug._plugins._calls import Answer
-from kwplug._plugins._discovery import discover, set_visible, visible
+from kwplug._plugins._controls import LoadControls, control_name
+from kwplug._plugins._discovery import discover, set_visible, strict_error, visible
 from kwplug._plugins._manager import TRACE_ENV, KwplugPluginManager
 from kwplug._plugins._records import GROUP, PluginRecord
-from kwplug._plugins._rules import require_handler_instance, require_handler_list
+from kwplug._plugins._reuse import manager_for
+from kwplug._plugins._rules import (
+    device_types_problem,
+    require_handler_instance,
+    require_handler_list,
+    spec_signatures,
+    tryfirst_problem,
+    validate_hookimpls,
+)
 
 __all__ = [
     "GROUP",
     "TRACE_ENV",
     "Answer",
+    "EntryPointLike",
     "KwplugPluginManager",
+    "LoadControls",
     "PluginRecord",
+    "control_name",
+    "device_types_problem",
     "discover",
+    "manager_for",
     "require_handler_instance",
     "require_handler_list",
     "set_visible",
+    "spec_signatures",
+    "strict_error",
+    "tryfirst_problem",
+    "validate_hookimpls",
     "visible",
 ]

@@ -28,15 +28,43 @@ import errno
 import os
 import stat
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from kwplug._plugins._own import is_own_distribution
 from kwplug._plugins._records import GROUP
 
-if TYPE_CHECKING:  # _cache imports this module
-    from kwplug._plugins._cache import CachedEntryPoint
 
-    _EPs = tuple[CachedEntryPoint, ...]
+class _CachedDistribution(Protocol):
+    """What :func:`prove` reads of a cached distribution (``_cache.CachedDistribution``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version(self) -> str: ...
+
+    @property
+    def builtin(self) -> bool: ...
+
+    @property
+    def path(self) -> str | None: ...
+
+
+class _CachedEntryPoint(Protocol):
+    """What :func:`prove` reads of a cached entry point (``_cache.CachedEntryPoint``; the
+    cache calls this module, so this module does not import it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def value(self) -> str: ...
+
+    @property
+    def dist(self) -> _CachedDistribution: ...
+
+
+_EP = TypeVar("_EP", bound=_CachedEntryPoint)
 
 #: A larger cache file is refused unread (the real one holds a few kilobytes per key).
 MAX_BYTES = 4 * 1024 * 1024
@@ -186,7 +214,7 @@ def distribution_at(
     return name, version, builtin, declared
 
 
-def prove(entry_points: _EPs, path_entries: Sequence[str]) -> _EPs:
+def prove(entry_points: tuple[_EP, ...], path_entries: Sequence[str]) -> tuple[_EP, ...]:
     """``entry_points`` (cached), once each is proven against the metadata folder it names:
     the names, values, distribution name and version are what that folder declares, and the
     built-in verdict is what its files say (:func:`distribution_at`).
@@ -194,7 +222,7 @@ def prove(entry_points: _EPs, path_entries: Sequence[str]) -> _EPs:
     Raises:
         UntrustedCache: on the first difference.
     """
-    by_folder: dict[str | None, list[CachedEntryPoint]] = {}
+    by_folder: dict[str | None, list[_EP]] = {}
     for ep in entry_points:
         by_folder.setdefault(ep.dist.path, []).append(ep)
     for folder, eps in by_folder.items():

@@ -21,13 +21,23 @@ one is how a user chooses.
 from __future__ import annotations
 
 from collections.abc import Set
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+import pluggy
 
 from kwplug.errors import PluginConflictError
 from kwplug.hookspecs import HOOK_POLICY, ONE_ANSWER
 
-if TYPE_CHECKING:
-    from kwplug._plugins._manager import KwplugPluginManager
+
+class Claimants(Protocol):
+    """What the check reads of a plugin manager (a ``KwplugPluginManager`` is one; it calls
+    the check, so this module does not import it)."""
+
+    def hook_impls(self, hook: str) -> list[pluggy.HookImpl]: ...
+
+    def is_third_party(self, name: str) -> bool: ...
+
+    def describe(self, name: str) -> str: ...
 
 
 def device_types(plugin: Any) -> Set[str] | None:
@@ -36,13 +46,11 @@ def device_types(plugin: Any) -> Set[str] | None:
     return None if declared is None else frozenset(declared)
 
 
-def find_conflicts(pm: KwplugPluginManager, device_type: str) -> dict[str, str]:
+def find_conflicts(pm: Claimants, device_type: str) -> dict[str, str]:
     """Hook name -> the plugins (described) that claim it for ``device_type``, for each
     one-answer hook claimed by two or more third-party defaults of ``pm`` (empty: no
     conflict)."""
     found: dict[str, str] = {}
-    if len(pm._third_party) < 2:  # a conflict takes two third-party defaults
-        return found
     for hook_name, policy in HOOK_POLICY.items():
         if policy != ONE_ANSWER:
             continue

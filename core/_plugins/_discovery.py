@@ -35,14 +35,14 @@ from kwplug._plugins._cache import CachedDistribution, CachedEntryPoint, EntryPo
 from kwplug._plugins._controls import LoadControls
 from kwplug._plugins._guard import kwplug_kept, preload
 from kwplug._plugins._manager import KwplugPluginManager
-from kwplug._plugins._own import CORE, is_own_distribution, normalise
+from kwplug._plugins._own import is_own_distribution, normalise
 from kwplug._plugins._records import GROUP, PluginRecord, plugin_object
 from kwplug._plugins._rules import (
     entry_point_object_problem,
     registered_plugin_problem,
     validate_hookimpls,
 )
-from kwplug.errors import PluginLoadError, PluginLoadWarning
+from kwplug.errors import PluginLoadError, PluginLoadWarning, user_stacklevel
 
 #: A plugin slower than this to import (seconds) is reported with a PluginLoadWarning.
 SLOW_IMPORT_SECONDS = 1.0
@@ -247,13 +247,8 @@ def _load_cached(ep: EntryPointLike) -> PluginRecord:
 def _warn(message: str, record: PluginRecord) -> None:
     # Point the warning at the user's line (the Accelerator(), the discover() call), not at
     # kwplug's own frames, whatever depth the cached loaders are reached from.
-    frame = sys._getframe(1)
-    level = 2
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(CORE):
-        frame = frame.f_back
-        level += 1
     warning = PluginLoadWarning(message, plugin=record.name, distribution=record.distribution)
-    warnings.warn(warning, stacklevel=level)
+    warnings.warn(warning, stacklevel=user_stacklevel())
     logger.debug(message)
 
 

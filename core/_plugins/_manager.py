@@ -214,6 +214,8 @@ class KwplugPluginManager(pluggy.PluginManager):
     def conflicts(self, device_type: str) -> dict[str, str]:
         """Hook name -> the third-party default plugins (described) that all claim it for
         ``device_type``, for each one-answer hook claimed twice or more (empty: none)."""
+        if len(self._third_party) < 2:  # a conflict takes two third-party defaults
+            return {}
         return find_conflicts(self, device_type)
 
     def check_conflicts(self, device_type: str) -> None:

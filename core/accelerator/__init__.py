@@ -23,7 +23,7 @@ from typing import Any
 
 from kwplug._lazy import BUILTIN_HANDLERS
 from kwplug.accelerator._facade import Accelerator
-from kwplug.accelerator._setup import MIXED_PRECISION
+from kwplug.precision import MIXED_PRECISION
 
 # Documented, pickled and shown under its public path.
 Accelerator.__module__ = __name__

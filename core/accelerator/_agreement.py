@@ -57,10 +57,10 @@ def _versions() -> dict[str, str]:
     from kwplug._plugins import discover
 
     own = next((r.version for r in discover() if r.builtin), None)
-    if own is None:
-        import kwplug
+    if own is None:  # what kwplug.__version__ reads (importing kwplug here would be a loop)
+        import importlib_metadata
 
-        own = kwplug.__version__
+        own = importlib_metadata.version("kwplug")
     return {"kwplug version": str(own), "torch version": str(torch.__version__)}
 
 

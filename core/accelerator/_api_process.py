@@ -1,6 +1,7 @@
 """The ``Accelerator`` methods of data loaders, distributed metrics and process control
 (Accelerate's names), as a base class of the facade so that ``_facade`` stays small. Each
-method delegates to :mod:`._metrics`, :mod:`._process` or :mod:`kwplug.data`."""
+method delegates to :mod:`._metrics`, :mod:`._process`, :mod:`kwplug._runtime` (the rank
+predicates, shared with :mod:`kwplug.state`) or :mod:`kwplug.data`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 
 import torch
 
+from kwplug import data
+from kwplug._runtime import Ranks, assigned_distributed_type, split_between_processes
 from kwplug.accelerator import _metrics, _ops, _process
 from kwplug.accelerator._prepare import _Prepared
 from kwplug.accelerator._setup import _Setup
@@ -21,9 +24,9 @@ _MULTI_DEVICE = frozenset(
 )
 
 
-class _DataAndProcessAPI(_process.Ranks):
+class _DataAndProcessAPI(Ranks):
     """Accelerate's data-loader, metrics and process-control methods of ``Accelerator``
-    (the rank predicates ``is_main_process``... from :class:`._process.Ranks`)."""
+    (the rank predicates ``is_main_process``... from :class:`kwplug._runtime.Ranks`)."""
 
     _setup: _Setup
     _prepared: _Prepared
@@ -99,9 +102,7 @@ class _DataAndProcessAPI(_process.Ranks):
             TypeError: ``dataloader`` was not prepared by kwplug.
             ValueError: ``num_batches < 0``.
         """
-        from kwplug.data_loader import skip_first_batches
-
-        return skip_first_batches(dataloader, num_batches)
+        return data.skip_first_batches(dataloader, num_batches)
 
     # -- distributed metrics -------------------------------------------------------------
 
@@ -136,7 +137,7 @@ class _DataAndProcessAPI(_process.Ranks):
         is sharded (FSDP1/FSDP2 module, ``DTensor`` parameters); or the value assigned to
         ``accelerator.state.distributed_type`` (as Accelerate's shared state allows: it
         changes what is reported, not how anything trains)."""
-        assigned: DistributedType | None = getattr(self, "_assigned_distributed_type", None)
+        assigned = assigned_distributed_type(self)
         if assigned is not None:
             return assigned
         return _process.distributed_type(
@@ -148,6 +149,8 @@ class _DataAndProcessAPI(_process.Ranks):
         """This Accelerator's :class:`kwplug.state.AcceleratorState`: ranks, device,
         ``distributed_type``, ``mixed_precision`` and the state's methods
         (``wait_for_everyone``, ``destroy_process_group``, ``print``...), as Accelerate's."""
+        # The one import of the layer above (tests/gates/test_layers.py): Accelerate's state
+        # class describes this Accelerator; kwplug.state imports nothing of the Accelerator.
         from kwplug.state import AcceleratorState
 
         return AcceleratorState._of(self)
@@ -199,9 +202,7 @@ class _DataAndProcessAPI(_process.Ranks):
         Raises:
             ValueError: a dict's values have different lengths.
         """
-        yield _process.split_between_processes(
-            inputs, self.num_processes, self.process_index, apply_padding
-        )
+        yield split_between_processes(inputs, self.num_processes, self.process_index, apply_padding)
 
     # -- triggers and memory -------------------------------------------------------------
 

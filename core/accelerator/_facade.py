@@ -182,7 +182,7 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
             setup.plugins, self.log_with, self.logging_dir, self.is_main_process
         )
         # What kwplug.state.AcceleratorState() reports while this Accelerator lives (weakly).
-        from kwplug.state import register_accelerator
+        from kwplug._runtime import register_accelerator
 
         register_accelerator(self)
 

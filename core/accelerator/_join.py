@@ -17,8 +17,8 @@ import torch
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils.data import IterableDataset
 
-from kwplug._data._shards import BatchSamplerShard
 from kwplug._plugins import KwplugPluginManager
+from kwplug.data import BatchSamplerShard
 from kwplug.errors import KwplugWarning
 
 

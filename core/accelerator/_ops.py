@@ -1,4 +1,5 @@
-"""Plain tensor collectives of the Accelerator itself: reduce (triggers), barrier.
+"""Plain tensor collectives of the Accelerator itself: reduce (triggers), and the barrier
+(:func:`kwplug._runtime.wait_for_everyone`, shared with :mod:`kwplug.state`).
 
 User-facing gather/reduce of nested data go through :mod:`._metrics` (shape-checked).
 
@@ -12,6 +13,8 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from kwplug._runtime import wait_for_everyone as wait_for_everyone
 
 
 def reduce(
@@ -30,9 +33,3 @@ def reduce(
         if reduction == "mean":
             result = result / num_processes
     return result
-
-
-def wait_for_everyone(num_processes: int) -> None:
-    """``torch.distributed.barrier()`` when distributed; nothing otherwise."""
-    if num_processes > 1:
-        dist.barrier()

@@ -10,10 +10,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from kwplug._plugins import Answer
+from kwplug._runtime import apply_mixed_precision
 from kwplug.accelerator._gradient_state import GradientState
 from kwplug.accelerator._options import _Options
 from kwplug.accelerator._params import ParameterRemap
-from kwplug.accelerator._precision import apply_mixed_precision
 from kwplug.accelerator._setup import _Setup
 from kwplug.data import ActiveLoaders, PreparedDataLoader, prepare_dataloader
 from kwplug.errors import PluginHookError
@@ -137,7 +137,7 @@ class _Prepared:
     ) -> torch.nn.Module:
         """Move ``model`` to the device (unless not ``device_placement``); with mixed
         precision, run its ``forward`` under the autocast context with float32 outputs
-        (``kwplug.accelerator._precision``, as Accelerate's ``prepare``); wrap it through
+        (``kwplug._runtime._forward``, as Accelerate's ``prepare``); wrap it through
         ``wrap_model`` (unless ``evaluation_mode``: Accelerate's, no DDP wrapper for a model
         only evaluated); follow replaced parameters in every prepared optimizer.
 

@@ -6,9 +6,7 @@ which records who answered each one.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import functools
 import logging
 from collections.abc import Mapping, Sequence
 
@@ -16,19 +14,23 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from kwplug._environment import ProcessInfo, end_process_group, select_device
-from kwplug._plugins import Answer, KwplugPluginManager, discover, require_handler_list
-from kwplug._plugins._reuse import manager_for
+from kwplug._environment import ProcessInfo, select_device
+from kwplug._plugins import (
+    Answer,
+    KwplugPluginManager,
+    discover,
+    manager_for,
+    require_handler_list,
+)
+from kwplug._runtime import destroy_process_group_at_exit, init_process_group
 from kwplug.accelerator._required import require_features
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import AutocastFactory
-from kwplug.precision import LossScaler, check_loss_scaler
+from kwplug.precision import MIXED_PRECISION, LossScaler, check_loss_scaler
 from kwplug.validators import shown
 
 logger = logging.getLogger(__name__)
-
-MIXED_PRECISION = ("no", "fp16", "bf16")
 
 
 @attrs.frozen
@@ -101,9 +103,9 @@ def resolve(
         comm_hooks=comm_hooks,
     )
     if info.world_size > 1 and not dist.is_initialized():
-        info = _init_process_group(plugins, info, device.type)
+        info = init_process_group(plugins, info, device.type)
     if info.world_size > 1:
-        _destroy_process_group_at_exit()
+        destroy_process_group_at_exit()
 
     autocast_factory: AutocastFactory = (
         plugins.first.autocast(device_type=device.type, mixed_precision=mixed_precision)
@@ -138,27 +140,3 @@ def _collect_comm_hooks(plugins: KwplugPluginManager) -> dict[str, CommHook]:
     # Answer by answer, so that a duplicate name can be blamed on the plugin that gave it.
     answers = plugins.each.comm_hooks()
     return merge_comm_hooks([(plugins.describe(name), answer) for name, answer in answers])
-
-
-def _init_process_group(
-    plugins: KwplugPluginManager, info: ProcessInfo, device_type: str
-) -> ProcessInfo:
-    done = plugins.first.init_process_group(
-        device_type=device_type,
-        world_size=info.world_size,
-        rank=info.rank,
-        local_rank=info.local_rank,
-    )
-    if not done or not dist.is_initialized():
-        raise RuntimeError(
-            f"WORLD_SIZE={info.world_size} but no plugin initialised the process group "
-            "(the built-in InitProcessGroupKwargs plugin may be blocked)"
-        )
-    return ProcessInfo.current()
-
-
-@functools.cache
-def _destroy_process_group_at_exit() -> None:
-    # Once per process. atexit runs before interpreter teardown frees gloo's objects in an
-    # arbitrary order; a no-op when end_training() already destroyed the group.
-    atexit.register(end_process_group)

@@ -18,8 +18,8 @@ from typing import Any
 import attrs
 import pluggy
 
-from kwplug._plugins import KwplugPluginManager
-from kwplug._plugins._rules import (
+from kwplug._plugins import (
+    KwplugPluginManager,
     device_types_problem,
     spec_signatures,
     tryfirst_problem,

@@ -23,8 +23,7 @@ import importlib_metadata
 import pluggy
 
 from kwplug import _plugins
-from kwplug._plugins._cache import EntryPointLike
-from kwplug._plugins._controls import control_name
+from kwplug._plugins import EntryPointLike, control_name
 from kwplug.accelerator import Accelerator
 from kwplug.handler import KwargsHandler
 

@@ -1,5 +1,8 @@
 """Accelerate's free functions of ``accelerate.utils.other`` that scripts call without an
-``Accelerator`` at hand: :func:`wait_for_everyone` and :func:`extract_model_from_parallel`."""
+``Accelerator`` at hand: :func:`wait_for_everyone` and :func:`extract_model_from_parallel`.
+
+Both stay below the Accelerator: the unwrapping and the live-Accelerator registry come from
+:mod:`kwplug._runtime`, which the Accelerator uses too."""
 
 from __future__ import annotations
 
@@ -42,15 +45,15 @@ def extract_model_from_parallel(
         TypeError: a flag is not a ``bool``, or ``model`` is not a ``torch.nn.Module``.
         ValueError: ``recursive=True``.
     """
-    from kwplug.accelerator import _keywords, _saving
-    from kwplug.state import _accelerator
+    from kwplug._runtime import live_accelerator, unwrap
 
     for name, flag in (
         ("keep_fp32_wrapper", keep_fp32_wrapper),
         ("keep_torch_compile", keep_torch_compile),
         ("recursive", recursive),
     ):
-        _keywords.check_bool(name, flag)
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if recursive:
         raise ValueError(
             "extract_model_from_parallel(recursive=True): kwplug does not unwrap wrappers "
@@ -60,14 +63,13 @@ def extract_model_from_parallel(
         raise TypeError(
             f"extract_model_from_parallel needs a torch.nn.Module, got {type(model).__name__}"
         )
-    live: Any = _accelerator()
+    live: Any = live_accelerator()
     if live is not None:
         plugins = live.plugin_manager
     else:
-        from kwplug._plugins import discover
-        from kwplug._plugins._reuse import manager_for
+        from kwplug._plugins import discover, manager_for
 
         plugins = manager_for([], discover())
-    return _saving.unwrap(
+    return unwrap(
         model, plugins, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile
     )
