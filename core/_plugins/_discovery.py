@@ -42,6 +42,7 @@ from kwplug._plugins._rules import (
     registered_plugin_problem,
     validate_hookimpls,
 )
+from kwplug._plugins._watched import expect_plugins, watch_plugin
 from kwplug.errors import PluginLoadError, PluginLoadWarning, user_stacklevel
 
 #: A plugin slower than this to import (seconds) is reported with a PluginLoadWarning.
@@ -69,7 +70,7 @@ def _load(ep: EntryPointLike) -> PluginRecord:
     # A third-party import cannot change kwplug: what it replaced is restored and reported
     # (built-ins were imported before any third-party plugin, see _discover).
     changes: list[str] = []
-    guard = contextlib.nullcontext(changes) if record.builtin else kwplug_kept()
+    guard = contextlib.nullcontext(changes) if record.builtin else kwplug_kept(_top(ep))
     try:
         with guard as changes:
             obj, hooks = _import_and_check(ep, record)
@@ -87,7 +88,14 @@ def _load(ep: EntryPointLike) -> PluginRecord:
         )
     finally:
         watchdog.cancel()
+    if not record.builtin:
+        watch_plugin(obj)  # a later plugin's import cannot patch this one silently
     return attrs.evolve(record, obj=obj, hooks=hooks, load_seconds=time.perf_counter() - start)
+
+
+def _top(ep: EntryPointLike) -> str:
+    # The top-level module an entry point imports ("pkg" of "pkg.mod:Class").
+    return ep.value.partition(":")[0].strip().partition(".")[0]
 
 
 def _import_torch() -> None:
@@ -328,7 +336,9 @@ def _discover(controls: LoadControls) -> tuple[PluginRecord, ...]:
     records = []
     # Built-ins are imported before any third-party plugin, so that no third-party import
     # (which may replace sys.modules["kwplug"], say) can stop them loading.
-    for ep in sorted(_entry_points(), key=lambda ep: not _builtin(ep)):
+    eps = sorted(_entry_points(), key=lambda ep: not _builtin(ep))
+    expect_plugins(frozenset(_top(ep) for ep in eps if not _builtin(ep)))
+    for ep in eps:
         if _visible is not None and not _visible(ep):
             continue
         distribution, version = _dist(ep)

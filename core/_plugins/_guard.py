@@ -11,6 +11,9 @@ Discovery imports kwplug's built-ins first, then each third-party plugin inside
   deleted or added (``AutocastKwargs.autocast = ...``), as a monkeypatch at import does;
 
 restores each, and reports them, so that discovery marks the plugin failed with what it changed.
+What training relies on outside kwplug (torch's autocast, backward, DDP, collectives and
+optimizer step, safetensors, the process's streams and signal handlers, plugins loaded
+before) is kept the same way, by :class:`~kwplug._plugins._watched.Outside`.
 A module must be in ``sys.modules`` for the snapshot to hold it, so before the first
 third-party import :func:`preload` imports every module of the core (but ``kwplug.testing``):
 one that a plugin imported itself and patched (``kwplug.utils.random.set_seed``, while nothing
@@ -29,6 +32,8 @@ import sys
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
+
+from kwplug._plugins._watched import Outside
 
 _ROOT = "kwplug"
 _MISSING: Any = object()
@@ -85,8 +90,12 @@ def _from_folders(module: Any, folders: tuple[str, ...]) -> bool:
 
 
 @contextlib.contextmanager
-def kwplug_kept() -> Iterator[list[str]]:
+def kwplug_kept(loading: str | None = None) -> Iterator[list[str]]:
     """Run the body (a plugin's import), then restore what it changed of kwplug.
+
+    Args:
+        loading: the top-level module of the plugin being imported (its own module is not
+            "another plugin's").
 
     Yields:
         A list that, after the body, holds one line per change found and undone (empty: the
@@ -101,12 +110,14 @@ def kwplug_kept() -> Iterator[list[str]]:
         if isinstance(cls, type) and cls.__module__ == name
     }
     folders = _folders(modules)
+    outside = Outside(loading)  # torch, safetensors, streams, signals, earlier plugins
     changes: list[str] = []
     try:
         yield changes
     finally:
         changes.extend(_restore(modules, bindings, folders))
         changes.extend(_restore_classes(classes))
+        changes.extend(outside.restore())
 
 
 def _restore_classes(classes: dict[str, tuple[type, dict[str, Any]]]) -> list[str]:

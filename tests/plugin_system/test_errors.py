@@ -29,6 +29,7 @@ BUILTIN_BASES = {
     errors.TrackerConfigWarning: UserWarning,
     errors.FrozenModelWarning: UserWarning,
     errors.NotCheckpointableError: ValueError,
+    errors.TrackerTimeoutError: RuntimeError,
 }
 
 
@@ -66,6 +67,7 @@ def test_old_import_paths_name_the_same_classes() -> None:
         errors.MissingFeatureError(
             "m", feature="mixed_precision='bf16'", hook="autocast", providers=(("p", "why"),)
         ),
+        errors.TrackerTimeoutError("m", tracker="mlflow", endpoint="http://h:5000", seconds=4.0),
     ],
     ids=lambda e: type(e).__name__,
 )
