@@ -10,12 +10,16 @@ depends on has changed:
 
 - the interpreter (``sys.version``, ``sys.executable``), kwplug's cache format, the
   ``sys.path`` entries in order and the ``sys.meta_path`` finders' types;
-- each ``sys.path`` entry's modification time (``st_mtime_ns``; ``None`` when missing): pip
+- each ``sys.path`` entry's modification time (``st_mtime_ns``; ``None`` when missing) and the
+  names of its ``*.dist-info``/``*.egg-info``/``*.egg-link``/``*.pth`` entries (a digest): pip
   creates or removes a ``*.dist-info`` folder in its site directory to install, upgrade or
-  remove a distribution, which changes the directory's modification time;
-- each plugin distribution's metadata folder and its ``entry_points.txt`` / ``METADATA``
-  (``PKG-INFO``, ``requires.txt`` for ``*.egg-info``), so that an in-place edit of a plugin's
-  metadata is seen too (kwplug's own distribution is one of them: a kwplug upgrade is seen).
+  remove a distribution, which changes the directory's modification time -- and the names,
+  which also change where a build normalises modification times (reproducible images,
+  ``rsync -a``, some container layers);
+- each plugin distribution's metadata folder (modification time, names) and its
+  ``entry_points.txt`` / ``METADATA`` (``PKG-INFO``, ``requires.txt`` for ``*.egg-info``):
+  modification time, size and sha256, so that an in-place edit of a plugin's metadata is seen
+  too, whatever its time (kwplug's own distribution is one of them: a kwplug upgrade is seen).
 
 A cache proves itself at each read, or is not used (:mod:`kwplug._plugins._cache_trust`): its
 folder and file must be the user's and writable by nobody else, the file is opened without
@@ -42,6 +46,7 @@ import json
 import logging
 import os
 import re
+import stat
 import sys
 import tempfile
 import time
@@ -57,7 +62,9 @@ from kwplug.errors import PluginCacheWarning
 CACHE_DIR_ENV = "KWPLUG_CACHE_DIR"
 NO_CACHE_ENV = "KWPLUG_NO_CACHE"
 #: Bumped whenever the file's layout or the meaning of a field changes.
-FORMAT = 3  # 2: distributions carry the built-in verdict; 3: and their metadata folder
+# 2: distributions carry the built-in verdict; 3: and their metadata folder; 4: stamps hold
+# folder listings and file hashes besides modification times
+FORMAT = 4
 #: Keys with a modification time this close to now (seconds) are not written.
 RACY_SECONDS = 2.0
 #: Keys kept per file (most recent first).
@@ -177,9 +184,26 @@ def cache_file() -> str:
     return os.path.join(cache_dir(), f"entry-points-{hashlib.sha256(ident).hexdigest()[:16]}.json")
 
 
-def _mtime(path: str) -> int | None:
+#: Names in a ``sys.path`` folder whose set says which distributions it holds.
+_LISTED = (".dist-info", ".egg-info", ".egg-link", ".pth")
+#: Metadata files up to this size (bytes) are hashed whole; larger ones by size only.
+_HASHED_BYTES = 1 << 20
+
+
+def _stamp(path: str, listed: tuple[str, ...] | None = None) -> list[Any] | None:
+    # [mtime, what the content says]: a folder's names (those ending in ``listed``, or all),
+    # a file's size and sha256. Modification times alone are blind where a build normalises
+    # them (reproducible images, rsync -a, some container layers): a plugin installed there
+    # adds a *.dist-info name, and an edited entry_points.txt changes its bytes.
     try:
-        return os.stat(path).st_mtime_ns
+        info = os.stat(path)
+        if stat.S_ISDIR(info.st_mode):
+            names = sorted(n for n in os.listdir(path) if listed is None or n.endswith(listed))
+            return [info.st_mtime_ns, hashlib.sha256("\0".join(names).encode()).hexdigest()]
+        if info.st_size > _HASHED_BYTES:
+            return [info.st_mtime_ns, info.st_size]
+        with open(path, "rb") as handle:
+            return [info.st_mtime_ns, info.st_size, hashlib.sha256(handle.read()).hexdigest()]
     except (OSError, ValueError):  # missing, unreadable, or a path with a NUL byte
         return None
 
@@ -195,7 +219,7 @@ def environment_key() -> dict[str, Any]:
             for name in (_qualname(f if isinstance(f, type) else type(f)) for f in sys.meta_path)
             if name not in _SAME_AS_PATH_FINDER
         ],
-        "path": [[entry, _mtime(entry or os.curdir)] for entry in sys.path],
+        "path": [[entry, _stamp(entry or os.curdir, _LISTED)] for entry in sys.path],
         # relative entries (``""`` is the working directory) resolve against it
         "cwd": os.getcwd() if any(not os.path.isabs(e) for e in sys.path) else None,
     }
@@ -220,12 +244,12 @@ def _watched(folders: Iterable[str]) -> list[list[Any]] | None:
         if suffix is None or not os.path.isdir(folder):
             return None
         paths = [folder, *(os.path.join(folder, name) for name in _META_FILES[suffix])]
-        watched.extend([path, _mtime(path)] for path in paths)
+        watched.extend([path, _stamp(path)] for path in paths)
     return watched
 
 
 def _fresh(watched: Sequence[Sequence[Any]]) -> bool:
-    return all(_mtime(path) == mtime for path, mtime in watched)
+    return all(_stamp(path) == stamp for path, stamp in watched)
 
 
 def read(key: dict[str, Any]) -> tuple[CachedEntryPoint, ...] | None:
@@ -323,8 +347,8 @@ def write(
     if watched is None:
         return False
     racy = time.time_ns() - int(RACY_SECONDS * 1e9)
-    times = [m for _, m in key["path"]] + [m for _, m in watched]
-    if any(m is not None and m >= racy for m in times):
+    times = [m[0] for _, m in key["path"] if m] + [m[0] for _, m in watched if m]
+    if any(m >= racy for m in times):
         return False
     entry = {
         "key": key,

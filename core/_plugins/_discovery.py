@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import os
 import sys
@@ -197,6 +198,10 @@ def _entry_points() -> tuple[EntryPointLike, ...]:
 
 def _scan() -> list[EntryPointLike]:
     import importlib_metadata  # only on a cache miss: importing it costs milliseconds
+
+    # importlib_metadata remembers each folder's listing by its modification time, blind where
+    # a build normalises times (as the cache's stamps are not): a scan reads the disk anew.
+    importlib.invalidate_caches()
 
     # Every distribution, not importlib_metadata.entry_points(): that keeps only the first
     # distribution of each name on sys.path, so a foreign metadata folder named kwplug placed

@@ -137,6 +137,26 @@ def test_in_place_metadata_edit_is_seen(site: Path, monkeypatch: pytest.MonkeyPa
     assert "renamed" in found and "cacheplug_edit" not in found
 
 
+def test_install_is_seen_where_modification_times_are_normalised(site: Path) -> None:
+    # Reproducible image builds, rsync -a, some container layers: every time is the same.
+    install(site, "cacheplug-first", "cacheplug_first")
+    age(site)
+    assert "cacheplug_first" in names()  # writes the cache
+    install(site, "cacheplug-late", "cacheplug_late")
+    age(site)  # the site folder and the new dist-info look as old as before
+    assert {"cacheplug_first", "cacheplug_late"} <= names()
+
+
+def test_metadata_edit_is_seen_where_modification_times_are_normalised(site: Path) -> None:
+    info = install(site, "cacheplug-same", "cacheplug_same")
+    age(site)
+    names()  # writes the cache
+    (info / "entry_points.txt").write_text("[kwplug.handlers]\nsametime = cacheplug_same\n")
+    age(site)  # the edited file keeps its old time
+    found = names()
+    assert "sametime" in found and "cacheplug_same" not in found
+
+
 def test_corrupt_or_foreign_cache_is_ignored_and_replaced(site: Path) -> None:
     install(site, "cacheplug-c", "cacheplug_c")
     age(site)
