@@ -133,12 +133,15 @@ def _stage(directory: Path, first: int) -> Path:
 _TRIES = 16
 
 
-def finish(staging: Path, records: dict[str, tuple[int, str]]) -> None:
-    """Steps ``manifest``, ``mark`` and ``prune`` (the lock is held)."""
+def finish(
+    staging: Path, records: dict[str, tuple[int, str]], *, main_only: int | None = None
+) -> None:
+    """Steps ``manifest``, ``mark`` and ``prune`` (the lock is held); ``main_only``: the
+    number of processes of a run whose main process saved alone (kept in the manifest)."""
     from kwplug.checkpoint import _manifest as manifest
 
     reached("manifest")
-    manifest.write(staging, records)
+    manifest.write(staging, records, main_only=main_only)
     reached("mark")
     tmp = staging / layout.MARKER_TMP
     codec.write_file(tmp, b"kwplug checkpoint\n")

@@ -50,7 +50,7 @@ def saver(directory: Path, ack: int, kill_at: str | None) -> None:
     """Resume, then save newer states forever, acknowledging each finished save."""
     accelerator, model, counter = build()
     if checkpoint.resolve_checkpoint(directory) is not None:
-        accelerator.load_state(directory)
+        accelerator.load_state(directory, exact_data_position=True)
     if kill_at is not None:
 
         def die(step: str) -> None:
