@@ -15,6 +15,7 @@ from kwplug.checkpoint import _checks as checks
 from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _commit as commit
 from kwplug.checkpoint import _layout as layout
+from kwplug.checkpoint import _links as links
 from kwplug.checkpoint import _lock as lock
 from kwplug.checkpoint import _manifest as manifest
 from kwplug.checkpoint import _plan as plan
@@ -301,6 +302,8 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
     error: CheckpointError | None = None
     try:  # saved by another number of processes: every rank reads rank 0's file
         records = manifest.read(directory)
+        if acc.is_main_process:  # a save killed before its links: point them here
+            links.repair(directory.parent, directory, records)
         solo = manifest.main_only(directory)  # saved by the main process alone: rank_0 only
         entries = resize.rank_entries(entries, records, acc.num_processes, solo)
         entries = prehooks.loading(acc, entries, directory)  # the user's load hooks

@@ -43,6 +43,7 @@ from kwplug.checkpoint import _api as api
 from kwplug.checkpoint import _arrival as arrival
 from kwplug.checkpoint import _commit as commit
 from kwplug.checkpoint import _layout as layout
+from kwplug.checkpoint import _links as links
 from kwplug.checkpoint import _lock as lock
 from kwplug.checkpoint import _runs as runs
 from kwplug.errors import CheckpointError, KwplugWarning
@@ -87,8 +88,10 @@ def numbered(directory: Path) -> dict[int, Path]:
 
 
 def _only_kwplug_files(folder: Path) -> bool:
-    # The lock file and kwplug's version and trash folders, nothing else.
+    # The lock file, kwplug's version and trash folders and its links, nothing else.
     for child in folder.iterdir():
+        if child.is_symlink() and (links.is_own_link(child) or links.is_temp_link(child)):
+            continue  # what the save hooks wrote, as Accelerate's checkpoint/<name>
         if child.is_symlink():
             return False
         if (child.name == layout.LOCK or runs.is_run_file(child.name)) and child.is_file():
