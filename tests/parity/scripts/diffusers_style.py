@@ -115,7 +115,7 @@ def main():
             trained.append(ids.tolist())
             if accelerator.sync_gradients:
                 global_step += 1
-                if global_step % args.checkpointing_steps == 0:
+                if global_step % args.checkpointing_steps == 0:  # noqa: SIM102 (diffusers' own)
                     if accelerator.is_main_process:
                         save_path = os.path.join(args.output_dir, f"checkpoint-{global_step}")
                         accelerator.save_state(save_path)
