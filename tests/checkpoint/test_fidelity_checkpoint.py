@@ -196,6 +196,13 @@ def main_only_then_late(directory: str) -> dict[str, Any]:
     model = accelerator.prepare(torch.nn.Linear(2, 2))
     ckpt = Path(directory) / "ckpt"
     caught: list[str] = []
+    seen: list[str] = []  # what the hooks got: the models before DDP wrapping (item 2)
+    accelerator.register_save_state_pre_hook(
+        lambda models, weights, output_dir: seen.extend(type(m).__name__ for m in models)
+    )
+    accelerator.register_load_state_pre_hook(
+        lambda models, input_dir: seen.extend(type(m).__name__ for m in models)
+    )
     with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")
         if accelerator.is_main_process:
@@ -216,6 +223,7 @@ def main_only_then_late(directory: str) -> dict[str, Any]:
         "weight": accelerator.unwrap_model(model).weight.detach().clone(),
         "own_rng_kept": torch.equal(rng, torch.get_rng_state()),
         "files": files,
+        "hook_models": seen,
     }
 
 
@@ -229,5 +237,7 @@ def test_save_state_on_the_main_process_only_does_not_hang(tmp_path: Path) -> No
     # Rank 0's weights loaded on both (DDP), rank 1 kept its own RNG, only rank 0's files.
     assert torch.equal(zero["weight"], one["weight"]) and bool(zero["weight"].abs().sum())
     assert one["own_rng_kept"]
+    assert zero["hook_models"] == ["Linear"] * 3  # two saves, one load; never DDP
+    assert one["hook_models"] == ["Linear"]  # its load (its save was rank 0's)
     assert "rank_1.safetensors" not in zero["files"]
     assert "rank_0.safetensors" in zero["files"]
