@@ -30,6 +30,18 @@ def is_stateful(loader: Any) -> bool:
     return bool(getattr(loader, "use_stateful_dataloader", False))
 
 
+#: The keys of a position that are the same on every rank (a stateful loader's torchdata
+#: state, beside them, is its own rank's).
+_SHARED = ("epoch", "batches_yielded", "generator", "global_rng", "offset")
+
+
+def shared_part(position: dict[str, Any]) -> dict[str, Any]:
+    """What of another rank's saved ``position`` this rank can load (a checkpoint saved by
+    the main process alone): the epoch, its order and the batch count, not torchdata's
+    state of that rank's iterator."""
+    return {k: position[k] for k in _SHARED if k in position}
+
+
 def at_epoch_start(index: int, position: dict[str, Any]) -> dict[str, Any]:
     """``position`` (a prepared loader's ``state_dict()``) moved back to the start of its
     epoch: same epoch and order, ``batches_yielded`` 0 (and no ``offset``: the whole epoch is

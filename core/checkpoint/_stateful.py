@@ -226,14 +226,17 @@ class RankState:
         another number of processes (the saved rank 0's) as :mod:`._resize` describes."""
         old = int(state_dict["world_size"])
         positions = state_dict["dataloaders"] if old == self.world_size else self._resized
+        saver = state_dict.get("rank", self.process_index)
+        foreign = old == self.world_size and saver != self.process_index
         for index, (loader, position) in enumerate(zip(self.loaders, positions, strict=True)):
             if position is None or not isinstance(loader, PreparedDataLoader):
                 continue
+            if foreign:  # another rank's torchdata iterator state is not this rank's
+                position = _position.shared_part(position)
             if not (self.exact_positions or _position.is_stateful(loader)):
                 position = _position.at_epoch_start(index, position)  # as Accelerate's
             loader.load_state_dict(position)
-        saver = state_dict.get("rank", self.process_index)
-        if old == self.world_size and saver != self.process_index:
+        if foreign:
             self._keep_own(int(saver))  # saved by the main process alone
             return
         if old == self.world_size:
