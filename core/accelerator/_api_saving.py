@@ -119,11 +119,14 @@ class _SavingAPI:
         self, hook: Callable[..., None]
     ) -> torch.utils.hooks.RemovableHandle:
         """Call ``hook(models, weights, output_dir)`` on every rank in :meth:`save_state`,
-        before the models are saved, as Accelerate does: ``models`` the prepared models,
-        ``weights`` their state dicts (unwrapped: no ``module.`` prefix), ``output_dir`` the
-        version folder being written. Only the dicts left in ``weights`` are saved (a
-        modified one as modified); files the hook writes into ``output_dir`` are listed in
-        the manifest and committed with the checkpoint (see :mod:`kwplug.checkpoint._prehooks`).
+        before the models are saved, as Accelerate does: ``models`` the prepared models as
+        they were before DDP wrapping (``save_pretrained`` works), ``weights`` their state
+        dicts (unwrapped: no ``module.`` prefix), ``output_dir`` the version folder being
+        written. Only the dicts left in ``weights`` are saved (a modified one as modified);
+        files the hook writes into ``output_dir`` are listed in the manifest and committed
+        with the checkpoint, and each top-level name it wrote appears in the checkpoint
+        directory itself as a link into the version (``<dir>/unet``, as Accelerate's; see
+        :mod:`kwplug.checkpoint._prehooks` and :mod:`kwplug.checkpoint._links`).
 
         Returns:
             A ``torch.utils.hooks.RemovableHandle``: ``remove()`` unregisters the hook.
@@ -138,7 +141,8 @@ class _SavingAPI:
         self, hook: Callable[..., None]
     ) -> torch.utils.hooks.RemovableHandle:
         """Call ``hook(models, input_dir)`` on every rank in :meth:`load_state` once every file
-        is verified, before any model is loaded: ``models`` a list of the prepared models;
+        is verified, before any model is loaded: ``models`` a list of the prepared models
+        (before DDP wrapping);
         those the hook removes from it are not loaded (the others are, in order);
         ``input_dir`` the version folder read.
 
