@@ -241,3 +241,38 @@ def test_save_state_on_the_main_process_only_does_not_hang(tmp_path: Path) -> No
     assert one["hook_models"] == ["Linear"]  # its load (its save was rank 0's)
     assert "rank_1.safetensors" not in zero["files"]
     assert "rank_0.safetensors" in zero["files"]
+
+
+def stateful_main_only(directory: str) -> dict[str, Any]:
+    """A stateful loader (torchdata) saved by rank 0 alone: every rank, rank 1 from the part
+    of rank 0's position that is the same on every rank, resumes its own shard at the next
+    batch (as Accelerate's stateful loaders resume mid-epoch)."""
+    os.environ[arrival.WAIT_VARIABLE] = "1"
+    config = kwplug.DataLoaderConfiguration(use_stateful_dataloader=True)
+
+    def build() -> tuple[Any, Any]:
+        accelerator = kwplug.Accelerator(cpu=True, dataloader_config=config)
+        torch.manual_seed(0)
+        data = TensorDataset(torch.arange(32))
+        return accelerator, accelerator.prepare(DataLoader(data, batch_size=2, shuffle=True))
+
+    accelerator, loader = build()
+    epoch = []
+    for batch in loader:
+        epoch.append(batch[0].tolist())
+        if len(epoch) == 3 and accelerator.is_main_process:
+            accelerator.save_state(Path(directory) / "ckpt")
+    accelerator.wait_for_everyone()
+    again, resumed = build()
+    again.load_state(Path(directory) / "ckpt")
+    return {"epoch": epoch, "resumed": [batch[0].tolist() for batch in resumed]}
+
+
+def test_a_stateful_loader_resumes_each_rank_from_a_main_only_checkpoint(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("torchdata")
+    ranks = run_distributed(stateful_main_only, str(tmp_path), nproc=2, timeout=240)
+    for rank in ranks:
+        assert rank["resumed"] == rank["epoch"][3:]
+    assert ranks[0]["epoch"] != ranks[1]["epoch"]
