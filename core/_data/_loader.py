@@ -282,10 +282,10 @@ class PreparedDataLoader(DataLoader[Any]):
             elif restore.get("global_rng") is not None and not self.sharding.global_rng:
                 order = None  # the sampler draws from the replayed global generator
                 self._epoch_start["generator"] = None
-        if not restore.get("batches") and order is _KEEP:
+        if not restore.get("batches") and order is _KEEP and restore.get("global_rng") is None:
             return super().__iter__()
-        # Resuming mid-epoch: the interrupted run drew from the global generator when this
-        # epoch started (worker seed, sampler), before the checkpoint; replay those draws
+        # Resuming an epoch saved mid-way: the interrupted run drew from the global generator
+        # when it started (worker seed, sampler), before the checkpoint; replay those draws
         # from the epoch's saved start, or skip them, and leave the global state untouched.
         current, own = torch.get_rng_state(), getattr(sampler, "generator", None)
         replay = restore.get("global_rng")

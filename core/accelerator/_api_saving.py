@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import attrs
 import torch
 
 from kwplug._plugins import KwplugPluginManager
@@ -16,6 +17,7 @@ from kwplug.accelerator import _keywords, _saving
 from kwplug.checkpoint import _naming
 from kwplug.checkpoint import _prehooks as prehooks
 from kwplug.checkpoint import _sources as sources
+from kwplug.checkpoint._arrival import SaveArrivals
 from kwplug.checkpoint._runs import RunIdentity
 from kwplug.utils.dataclasses import ProjectConfiguration
 
@@ -108,15 +110,23 @@ class _SavingAPI:
         # The id automatic naming tags this Accelerator's checkpoints with (_runs.py).
         return RunIdentity()
 
+    @functools.cached_property
+    def _save_arrivals(self) -> SaveArrivals:
+        # Whether this Accelerator's saves are made by the main process alone (_arrival.py).
+        return SaveArrivals()
+
     def register_save_state_pre_hook(
         self, hook: Callable[..., None]
     ) -> torch.utils.hooks.RemovableHandle:
         """Call ``hook(models, weights, output_dir)`` on every rank in :meth:`save_state`,
-        before the models are saved, as Accelerate does: ``models`` the prepared models,
-        ``weights`` their state dicts (unwrapped: no ``module.`` prefix), ``output_dir`` the
-        version folder being written. Only the dicts left in ``weights`` are saved (a
-        modified one as modified); files the hook writes into ``output_dir`` are listed in
-        the manifest and committed with the checkpoint (see :mod:`kwplug.checkpoint._prehooks`).
+        before the models are saved, as Accelerate does: ``models`` the prepared models as
+        they were before DDP wrapping (``save_pretrained`` works), ``weights`` their state
+        dicts (unwrapped: no ``module.`` prefix), ``output_dir`` the version folder being
+        written. Only the dicts left in ``weights`` are saved (a modified one as modified);
+        files the hook writes into ``output_dir`` are listed in the manifest and committed
+        with the checkpoint, and each top-level name it wrote appears in the checkpoint
+        directory itself as a link into the version (``<dir>/unet``, as Accelerate's; see
+        :mod:`kwplug.checkpoint._prehooks` and :mod:`kwplug.checkpoint._links`).
 
         Returns:
             A ``torch.utils.hooks.RemovableHandle``: ``remove()`` unregisters the hook.
@@ -131,7 +141,8 @@ class _SavingAPI:
         self, hook: Callable[..., None]
     ) -> torch.utils.hooks.RemovableHandle:
         """Call ``hook(models, input_dir)`` on every rank in :meth:`load_state` once every file
-        is verified, before any model is loaded: ``models`` a list of the prepared models;
+        is verified, before any model is loaded: ``models`` a list of the prepared models
+        (before DDP wrapping);
         those the hook removes from it are not loaded (the others are, in order);
         ``input_dir`` the version folder read.
 
@@ -187,6 +198,7 @@ class _SavingAPI:
             load_handler_state=load_handler_state,
             project_configuration=acc.project_configuration,
             run=self._checkpoint_run,
+            arrivals=self._save_arrivals,
         )
 
     @property
@@ -261,6 +273,8 @@ class _SavingAPI:
         self,
         input_dir: str | os.PathLike[str] | None = None,
         load_kwargs: Mapping[str, Any] | None = None,
+        *,
+        exact_data_position: bool = False,
         **load_model_func_kwargs: Any,
     ) -> Path:
         """Restore what :meth:`save_state` saved into the prepared objects, in place.
@@ -273,8 +287,20 @@ class _SavingAPI:
         Every file is verified (manifest, size, sha256, kind, shapes) before any object is
         loaded; no file is unpickled.
 
-        A checkpoint saved by another number of processes loads too: the data loaders go on
-        at the next unconsumed batch of the global stream, per-rank RNG states are re-derived
+        The prepared data loaders start the saved epoch at batch 0, as Accelerate's (skip the
+        batches already trained with :meth:`skip_first_batches`, as under Accelerate), in the
+        saved epoch's order (an INFO log says how many batches the saved position was past);
+        with ``exact_data_position=True``, or for loaders prepared with
+        ``DataLoaderConfiguration(use_stateful_dataloader=True)``, they resume at the exact
+        next batch (see :mod:`kwplug.checkpoint._position`).
+
+        A checkpoint saved by the main process alone (``save_state`` under ``if
+        accelerator.is_main_process:``) loads on every process: the others, whose RNG states
+        were not saved, keep theirs, with a ``KwplugWarning`` naming the missing file.
+
+        A checkpoint saved by another number of processes loads too: with
+        ``exact_data_position=True`` the data loaders go on at the next unconsumed batch of
+        the global stream, per-rank RNG states are re-derived
         from rank 0's, per-process communication-hook state is reset with one warning (see
         :mod:`kwplug.checkpoint._resize` and docs/reliability.md).
 
@@ -286,6 +312,10 @@ class _SavingAPI:
                 numbering).
             load_kwargs: Accelerate's ``torch.load`` keywords; kwplug never unpickles, so
                 non-empty ones are ignored with a ``KwplugWarning``.
+            exact_data_position: kwplug's, keyword only, default ``False``: ``True`` resumes
+                every prepared data loader at the exact batch after the last one handed out
+                before the save (kwplug's bitwise resume); ``False`` starts the saved epoch at
+                batch 0, as Accelerate's.
             load_model_func_kwargs: ``map_location`` (``"cpu"`` or ``"on_device"``, as
                 Accelerate: either way the states load in place, onto the prepared objects'
                 devices) and ``strict`` (``True`` only: the keys and shapes are always
@@ -296,7 +326,7 @@ class _SavingAPI:
 
         Raises:
             TypeError: an unknown keyword (Accelerate's model loader raises it too);
-                ``load_kwargs`` is not a mapping.
+                ``load_kwargs`` is not a mapping; ``exact_data_position`` is not a ``bool``.
             ValueError: no ``input_dir`` and no automatic naming; automatic naming without a
                 ``project_dir``; ``strict=False``; an unknown ``map_location``.
             FileNotFoundError: no complete checkpoint at ``input_dir`` (or, with automatic
@@ -311,4 +341,8 @@ class _SavingAPI:
                 model's parameters together with parameters outside that model.
         """
         _keywords.check_load_state(load_kwargs, load_model_func_kwargs)
-        return _naming.load(self._checkpoint_sources(), input_dir)
+        _keywords.check_bool("exact_data_position", exact_data_position)
+        checkpoint = attrs.evolve(
+            self._checkpoint_sources(), exact_data_position=exact_data_position
+        )
+        return _naming.load(checkpoint, input_dir)

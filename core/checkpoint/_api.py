@@ -15,6 +15,7 @@ from kwplug.checkpoint import _checks as checks
 from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _commit as commit
 from kwplug.checkpoint import _layout as layout
+from kwplug.checkpoint import _links as links
 from kwplug.checkpoint import _lock as lock
 from kwplug.checkpoint import _manifest as manifest
 from kwplug.checkpoint import _plan as plan
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
 
 
 def _share(sources: CheckpointSources, value: Any) -> list[Any]:
-    # Every rank's value, so that all ranks raise together instead of hanging apart.
-    if sources.num_processes <= 1:
+    # Every rank's value, so that all ranks raise together instead of hanging apart (a save by
+    # the main process alone enters no collective: the others are not in save_state).
+    if sources.num_processes <= 1 or sources.solo:
         return [value]
     values: list[Any] = [None] * sources.num_processes
     torch.distributed.all_gather_object(values, value)
@@ -45,6 +47,33 @@ def _warn_other_folder(what: str, mine: Path, first: Path) -> None:
         "folder on every process)",
         KwplugWarning,
         stacklevel=4,
+    )
+
+
+def _solo_entries(
+    acc: CheckpointSources, entries: list[plan.Entry], directory: Path
+) -> list[plan.Entry]:
+    # A save by the main process alone: a sharded model's (or its optimizer's) state is
+    # gathered from every rank's shards, which the other ranks, not in save_state, never send.
+    for entry in entries:
+        if entry.scope == "collective":
+            raise CheckpointError(
+                f"save_state into {directory} on the main process alone (the other processes "
+                f"did not call it): {entry.kind} ({entry.file}) is sharded (DTensor, FSDP2) "
+                "and its full state is gathered from every process's shards; call save_state "
+                "on every process",
+                directory,
+            )
+    return entries
+
+
+def _warn_pending_dropped(staging: Path) -> None:
+    warnings.warn(
+        f"save_state on the main process alone in the middle of a gradient accumulation: the "
+        f"pending gradients are not saved in {staging.parent} (the other processes' are not "
+        "reachable; Accelerate saves none); the resumed run starts the accumulation afresh",
+        KwplugWarning,
+        stacklevel=5,
     )
 
 
@@ -69,7 +98,7 @@ def save_state(
     if not os.fspath(output_dir):
         raise ValueError("save_state needs a checkpoint directory, got an empty path")
     directory = Path(output_dir).absolute()
-    entries = plan.entries(acc)
+    entries = _solo_entries(acc, plan.entries(acc), directory) if acc.solo else plan.entries(acc)
     main = acc.is_main_process
     with contextlib.ExitStack() as held:
         staging: Path | None = None
@@ -106,6 +135,9 @@ def save_state(
                 continue
             if entry.sparse and not state:
                 continue
+            if acc.solo and isinstance(entry.target, PendingAccumulation):
+                _warn_pending_dropped(staging)
+                continue
             try:  # written tensor by tensor, then hashed in chunks
                 file = staging / entry.file
                 records[entry.file] = codec.write_state(file, state, {"class": entry.kind})
@@ -117,7 +149,9 @@ def save_state(
             try:
                 if not errors:
                     written = {k: v for r, _ in shared for k, v in r.items()}
-                    commit.finish(staging, prehooks.with_written(acc, staging, written))
+                    solo = acc.num_processes if acc.solo else None
+                    records = prehooks.with_written(acc, staging, written)
+                    commit.finish(staging, records, main_only=solo)
             except (OSError, CheckpointError) as exc:
                 errors.append(_failed(exc, f"committing {staging}"))
             if errors:
@@ -267,7 +301,11 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
     entries = plan.entries(acc)
     error: CheckpointError | None = None
     try:  # saved by another number of processes: every rank reads rank 0's file
-        entries = resize.rank_entries(entries, manifest.read(directory), acc.num_processes)
+        records = manifest.read(directory)
+        if acc.is_main_process:  # a save killed before its links: point them here
+            links.repair(directory.parent, directory, records)
+        solo = manifest.main_only(directory)  # saved by the main process alone: rank_0 only
+        entries = resize.rank_entries(entries, records, acc.num_processes, solo)
         entries = prehooks.loading(acc, entries, directory)  # the user's load hooks
         states, records = _read(acc, directory, entries)
     except CheckpointError as exc:

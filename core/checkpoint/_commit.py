@@ -12,8 +12,12 @@ named steps, in this order (:data:`STEPS`):
    version's name is skipped, never followed, and left alone.
 4. ``manifest``: rank 0 writes ``MANIFEST.json`` (every file, its size and sha256).
 5. ``mark``: rank 0 writes ``COMPLETE`` (a temporary file renamed; the rename commits).
-6. ``prune``: every older version is renamed to ``DIR/.kwplug-trash-<m>``, then deleted.
-7. ``unlock``.
+6. ``link``: each top-level name ``N`` a ``save_state`` pre-hook wrote becomes ``DIR/N``, a
+   relative link to ``kwplug-<n>/N`` replaced atomically (:mod:`kwplug.checkpoint._links`:
+   Accelerate's ``checkpoint/unet``); never over a user's own file.
+7. ``prune``: every older version is renamed to ``DIR/.kwplug-trash-<m>``, then deleted;
+   then kwplug's links left pointing at no version are removed.
+8. ``unlock``.
 
 The newest version with a marker is the checkpoint (:func:`resolve_checkpoint`). A kill at
 any instant of any step, any number of times in a row, leaves it loadable: a version is only
@@ -24,15 +28,18 @@ read. Versions without a marker are never read either.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _layout as layout
-from kwplug.errors import CheckpointError
+from kwplug.checkpoint import _links as links
+from kwplug.errors import CheckpointError, KwplugWarning
 
-STEPS = ("lock", "clean", "stage", "manifest", "mark", "prune", "unlock")
+STEPS = ("lock", "clean", "stage", "manifest", "mark", "link", "prune", "unlock")
 
 
 def reached(step: str) -> None:
@@ -133,23 +140,41 @@ def _stage(directory: Path, first: int) -> Path:
 _TRIES = 16
 
 
-def finish(staging: Path, records: dict[str, tuple[int, str]]) -> None:
-    """Steps ``manifest``, ``mark`` and ``prune`` (the lock is held)."""
+def finish(
+    staging: Path, records: dict[str, tuple[int, str]], *, main_only: int | None = None
+) -> None:
+    """Steps ``manifest``, ``mark`` and ``prune`` (the lock is held); ``main_only``: the
+    number of processes of a run whose main process saved alone (kept in the manifest)."""
     from kwplug.checkpoint import _manifest as manifest
 
     reached("manifest")
-    manifest.write(staging, records)
+    manifest.write(staging, records, main_only=main_only)
     reached("mark")
     tmp = staging / layout.MARKER_TMP
     codec.write_file(tmp, b"kwplug checkpoint\n")
     os.replace(tmp, staging / layout.MARKER)
     fsync_dir(staging)
     fsync_dir(staging.parent)
+    reached("link")
+    names = links.hook_names(records)
+    try:  # the version is committed: a link that cannot be made must not undo it
+        if names:
+            links.point(staging.parent, staging, names)
+            fsync_dir(staging.parent)
+    except OSError as exc:
+        warnings.warn(
+            f"could not link what the save_state pre-hooks wrote into {staging.parent}: "
+            f"{exc}; it is in {staging}",
+            KwplugWarning,
+            stacklevel=4,
+        )
     reached("prune")
     mine = layout.version_number(staging.name)
     for number, folder in versions(staging.parent).items():
         if mine is not None and number < mine:
             _discard(folder, number)
+    with contextlib.suppress(OSError):
+        links.clean(staging.parent)
 
 
 def abort(staging: Path) -> None:

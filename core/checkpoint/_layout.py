@@ -22,6 +22,10 @@ A checkpoint directory ``DIR`` (which may hold anything else too)::
         .tmpXXXXXX                  only in an unfinished version: safetensors' file being
                                     written (renamed into place when done)
     .kwplug-trash-<n>-<pid>/      a version being deleted (never read)
+    <name> -> kwplug-<n>/<name>   a relative link for each top-level name a save_state
+                                  pre-hook wrote into the newest version (Accelerate's
+                                  checkpoint/<name>; _links.py)
+    .kwplug-link-<pid>            such a link being made (killed saves leave it)
 
 Every ``.safetensors`` file is written by :mod:`kwplug.checkpoint._codec` (no pickles).
 """

@@ -19,11 +19,19 @@ Record = tuple[int, str]
 #: The largest manifest read, in bytes.
 LIMIT = 1 << 24
 _SHA = re.compile(r"[0-9a-f]{64}")
+#: The manifest key of a save by the main process alone: the run's number of processes.
+MAIN_ONLY = "main_process_only_of"
 
 
-def write(directory: Path, records: dict[str, Record]) -> None:
-    """Write ``directory``'s manifest listing ``records`` (file name -> size, sha256)."""
-    body = {"format": layout.FORMAT, "files": {k: list(v) for k, v in sorted(records.items())}}
+def write(directory: Path, records: dict[str, Record], *, main_only: int | None = None) -> None:
+    """Write ``directory``'s manifest listing ``records`` (file name -> size, sha256); with
+    ``main_only``, the number of processes of a run whose main process saved alone."""
+    body: dict[str, object] = {
+        "format": layout.FORMAT,
+        "files": {k: list(v) for k, v in sorted(records.items())},
+    }
+    if main_only is not None:
+        body[MAIN_ONLY] = main_only
     codec.write_file(directory / layout.MANIFEST, json.dumps(body, indent=1).encode())
 
 
@@ -48,6 +56,15 @@ def read(directory: Path) -> dict[str, Record]:
         if not stat.S_ISREG(os.lstat(directory / name).st_mode):
             raise CheckpointError(f"{directory / name} is not a regular file", directory / name)
     return records
+
+
+def main_only(directory: Path) -> int | None:
+    """The number of processes of the run whose main process alone saved ``directory`` (a
+    save under ``if accelerator.is_main_process:``), or ``None`` for a save by every rank."""
+    path = directory / layout.MANIFEST
+    body = json.loads(reader.read_small(path, limit=LIMIT).decode("utf-8"))  # parsed before
+    value = body.get(MAIN_ONLY)
+    return value if type(value) is int and value > 0 else None
 
 
 def parse(data: bytes, path: Path) -> dict[str, Record]:

@@ -36,11 +36,14 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 
 from kwplug.checkpoint import _api as api
+from kwplug.checkpoint import _arrival as arrival
 from kwplug.checkpoint import _commit as commit
 from kwplug.checkpoint import _layout as layout
+from kwplug.checkpoint import _links as links
 from kwplug.checkpoint import _lock as lock
 from kwplug.checkpoint import _runs as runs
 from kwplug.errors import CheckpointError, KwplugWarning
@@ -85,8 +88,10 @@ def numbered(directory: Path) -> dict[int, Path]:
 
 
 def _only_kwplug_files(folder: Path) -> bool:
-    # The lock file and kwplug's version and trash folders, nothing else.
+    # The lock file, kwplug's version and trash folders and its links, nothing else.
     for child in folder.iterdir():
+        if child.is_symlink() and (links.is_own_link(child) or links.is_temp_link(child)):
+            continue  # what the save hooks wrote, as Accelerate's checkpoint/<name>
         if child.is_symlink():
             return False
         if (child.name == layout.LOCK or runs.is_run_file(child.name)) and child.is_file():
@@ -104,11 +109,36 @@ def is_kwplug_checkpoint(folder: Path) -> bool:
 
 def _share(sources: CheckpointSources, value: Any) -> Any:
     # The main process decides; every rank acts on its decision (and raises together).
-    if sources.num_processes <= 1:
+    if sources.num_processes <= 1 or sources.solo:
         return value
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _skipped(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) -> Path:
+    # A rank other than 0 whose save the main process made alone (it did not wait for this
+    # one): nothing is written here; as Accelerate, the iteration still advances.
+    config = sources.project_configuration
+    if config.automatic_checkpoint_naming:
+        target = root(sources) / checkpoint_name(config.iteration)
+    elif output_dir is None:
+        raise ValueError(
+            "save_state() needs output_dir unless ProjectConfiguration("
+            "automatic_checkpoint_naming=True) names the folders"
+        )
+    else:
+        target = Path(output_dir).absolute()
+    config.iteration += 1
+    warnings.warn(
+        f"save_state on process {sources.process_index}: the main process already saved "
+        f"alone (it waited {arrival.arrival_timeout():g} s, {arrival.WAIT_VARIABLE}, for every "
+        "process to call save_state), so this process's RNG states and pending accumulation "
+        f"are not in {target}; call save_state on every process, or on the main one only",
+        KwplugWarning,
+        stacklevel=3,
+    )
+    return target
 
 
 def _refusal(target: Path, iteration: int) -> str | None:
@@ -143,6 +173,24 @@ def save(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) 
         CheckpointError: from :func:`kwplug.checkpoint.save_state` (nothing is pruned then).
     """
     config = sources.project_configuration
+    remembered = sources.arrivals.main_only
+    mode = arrival.decide(sources.arrivals, sources.process_index, sources.num_processes)
+    if mode == arrival.SKIPPED:
+        return _skipped(sources, output_dir)
+    if mode == arrival.MAIN:
+        sources = attrs.evolve(sources, solo=True)
+        if not remembered:
+            warnings.warn(
+                "save_state: not every process called it within "
+                f"{arrival.arrival_timeout():g} s ({arrival.WAIT_VARIABLE}; e.g. it is called "
+                "under `if accelerator.is_main_process:`), so the main process saves alone, "
+                "as Accelerate's: the models, optimizers, registered objects, data positions "
+                "and its own RNG states; the other processes' RNG states and pending "
+                "accumulation are not saved (docs/reliability.md, 'Saving from the main "
+                "process only'). This Accelerator's later saves do so at once, without waiting.",
+                KwplugWarning,
+                stacklevel=3,
+            )
     if not config.automatic_checkpoint_naming:
         if output_dir is None:
             raise ValueError(

@@ -82,6 +82,8 @@ def entries(sources: CheckpointSources) -> list[Entry]:
         world_size=acc.num_processes,
         device=acc.device,
         loaders=acc.dataloaders,
+        process_index=acc.process_index,
+        exact_positions=acc.exact_data_position,
         models=acc.models,
         collect_handlers=acc.handler_state,
         restore_handlers=acc.load_handler_state,

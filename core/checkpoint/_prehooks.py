@@ -3,11 +3,12 @@ or loads some prepared models itself (e.g. diffusers' LoRA scripts: ``save_pretr
 the adapters only), as in Accelerate.
 
 On save, every rank calls each hook as ``hook(models, weights, output_dir)`` after the new
-version folder is staged: ``models`` the prepared models, ``weights`` their unwrapped state
-dicts, ``output_dir`` the version folder. The dicts left in ``weights`` are saved in order as
-``model_0``, ``model_1``... (a hook that removed a dict removed that model from the
-checkpoint). The files the hooks wrote there become part of the version: listed in its
-manifest with their sha256, committed, pruned and verified with kwplug's own.
+version folder is staged: ``models`` the prepared models as they were before DDP wrapping
+(Accelerate's ``_models``: ``save_pretrained`` and the model's own methods work), ``weights``
+their unwrapped state dicts, ``output_dir`` the version folder. The dicts left in ``weights``
+are saved in order as ``model_0``, ``model_1``... (a hook that removed a dict removed that
+model from the checkpoint). The files the hooks wrote there become part of the version:
+listed in its manifest with their sha256, committed, pruned and verified with kwplug's own.
 
 On load, once every file of the version is verified, every rank calls each hook as
 ``hook(models, input_dir)``; the models left in the list are loaded, in order, from
@@ -103,8 +104,8 @@ def saving(
     modules = acc.modules()
     weights: list[dict[str, Any]] = [m.state_dict() for m in modules]
     kinds = {id(w): qualified_name(m) for w, m in zip(weights, modules, strict=True)}
-    for hook in list(hooks.values()):
-        hook(list(acc.models), weights, str(staging))
+    for hook in list(hooks.values()):  # the models before DDP wrapping, as Accelerate's
+        hook(list(modules), weights, str(staging))
     kept = [
         Entry(layout.model_file(j), _Weights(w), "main", kinds.get(id(w), qualified_name(w)))
         for j, w in enumerate(weights)
@@ -171,7 +172,7 @@ def loading(acc: CheckpointSources, entries: list[Entry], directory: Path) -> li
     records = manifest.read(directory)
     for name in sorted(records):  # in chunks: never a whole file in memory
         reader.verify(directory / name, records[name])
-    models = list(acc.models)
+    models = acc.modules()  # before DDP wrapping, as Accelerate's (save_pretrained works)
     count = len(models)
     for hook in list(hooks.values()):
         hook(models, str(directory))

@@ -49,10 +49,18 @@ def _is_rank_state(name: str) -> bool:
     return name.startswith("rank_") and layout.is_rank_file(name)
 
 
-def rank_entries(entries: Sequence[Any], records: Mapping[str, Any], world_size: int) -> list[Any]:
+def rank_entries(
+    entries: Sequence[Any],
+    records: Mapping[str, Any],
+    world_size: int,
+    main_only: int | None = None,
+) -> list[Any]:
     """``entries`` with this rank's per-rank file replaced by ``rank_0`` when the checkpoint
-    (manifest ``records``) was saved by another number of processes than ``world_size``."""
-    if saved_world_size(records) in (0, world_size):
+    (manifest ``records``) was saved by another number of processes than ``world_size``, or
+    by the main process alone (``main_only``: the number of processes of that run; then a
+    rank of a run of that size loads the data positions of ``rank_0`` and keeps its own RNG
+    states, see :class:`kwplug.checkpoint._stateful.RankState`)."""
+    if main_only is None and saved_world_size(records) in (0, world_size):
         return list(entries)
     first = layout.rank_file(0)
     return [

@@ -18,6 +18,7 @@ import attrs
 import torch
 from torch.utils.data import DataLoader
 
+from kwplug.checkpoint._arrival import SaveArrivals
 from kwplug.checkpoint._runs import RunIdentity
 from kwplug.errors import NotCheckpointableError
 from kwplug.optimizer import AcceleratedOptimizer, ScalerUpdates
@@ -68,6 +69,12 @@ class CheckpointSources:
             ``iteration`` is advanced by each save and set by a load).
         run: the id automatic naming tags this run's checkpoints with (the Accelerator's,
             kept across calls; :mod:`kwplug.checkpoint._runs`).
+        arrivals: whether the Accelerator's saves are made by the main process alone (kept
+            across calls; :mod:`kwplug.checkpoint._arrival`).
+        solo: this call is a save by the main process alone: no collective is entered.
+        exact_data_position: a load restores the prepared loaders' mid-epoch positions
+            (``load_state(..., exact_data_position=True)``); else they start the saved epoch
+            at batch 0, as Accelerate's (:mod:`kwplug.checkpoint._position`).
     """
 
     models: tuple[torch.nn.Module, ...]
@@ -86,6 +93,9 @@ class CheckpointSources:
     load_handler_state: Callable[[Mapping[str, Any]], None]
     project_configuration: ProjectConfiguration
     run: RunIdentity = attrs.field(factory=RunIdentity)
+    arrivals: SaveArrivals = attrs.field(factory=SaveArrivals)
+    solo: bool = False
+    exact_data_position: bool = False
 
     @property
     def is_main_process(self) -> bool:

@@ -9,6 +9,7 @@ Adding something to checkpoints means one adapter here and one entry in
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -17,11 +18,13 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
+from kwplug.checkpoint import _layout as layout
+from kwplug.checkpoint import _position
 from kwplug.checkpoint import _resize as resize
 from kwplug.checkpoint import _rng as rng
 from kwplug.checkpoint import _sharded as sharded
 from kwplug.data import PreparedDataLoader
-from kwplug.errors import CheckpointError
+from kwplug.errors import CheckpointError, KwplugWarning
 
 _ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
@@ -134,6 +137,20 @@ class ShardedOptimizerState:
         sharded.load_full_optimizer(self.module, self.optimizer, state_dict)
 
 
+def _missing_warning(path: Path | None, rank: int, saver: int) -> None:
+    where = path.parent if path is not None else "the checkpoint"
+    warnings.warn(
+        f"load_state on process {rank}: {where} holds no {layout.rank_file(rank)} (it was "
+        f"saved by process {saver} alone, e.g. under `if accelerator.is_main_process:`): "
+        f"this process takes the data loader positions from {layout.rank_file(saver)} (they "
+        "are the same on every process) and keeps its own RNG states, communication-hook "
+        "state and plugins' handler state (not saved); save on every process for an exact "
+        "resume",
+        KwplugWarning,
+        stacklevel=2,
+    )
+
+
 class RankState:
     """What each process saves of its own: RNG states, data loader positions, the states
     attached to the models (communication hooks) and the plugins' ``handler_state``."""
@@ -144,6 +161,8 @@ class RankState:
         world_size: int,
         device: torch.device,
         loaders: Sequence[DataLoader[Any]],
+        process_index: int = 0,
+        exact_positions: bool = False,
         models: Sequence[torch.nn.Module],
         collect_handlers: Callable[[], dict[str, Any]],
         restore_handlers: Callable[[Mapping[str, Any]], None],
@@ -151,12 +170,15 @@ class RankState:
         self.world_size, self.device = world_size, device
         self.loaders, self.models = loaders, models
         self.collect_handlers, self.restore_handlers = collect_handlers, restore_handlers
+        self.process_index, self.exact_positions = process_index, exact_positions
         self._resized: list[Any] = []  # positions moved to this size by check()
+        self._path: Path | None = None  # the file check() was given
 
     def state_dict(self) -> dict[str, Any]:
         """The per-rank state (see the class docstring)."""
         return {
             "world_size": self.world_size,
+            "rank": self.process_index,
             "handlers": self.collect_handlers(),
             "rng": rng.rng_state(self.device),
             "dataloaders": [
@@ -181,6 +203,7 @@ class RankState:
         keys = ("world_size", "rng", "dataloaders", "comm_hooks")
         if not isinstance(state_dict, dict) or any(k not in state_dict for k in keys):
             raise CheckpointError(f"{path} does not hold a kwplug per-rank state", path)
+        self._path = path
         saved = state_dict["dataloaders"]
         if len(saved) != len(self.loaders):
             raise CheckpointError(
@@ -203,9 +226,19 @@ class RankState:
         another number of processes (the saved rank 0's) as :mod:`._resize` describes."""
         old = int(state_dict["world_size"])
         positions = state_dict["dataloaders"] if old == self.world_size else self._resized
-        for loader, position in zip(self.loaders, positions, strict=True):
-            if position is not None and isinstance(loader, PreparedDataLoader):
-                loader.load_state_dict(position)
+        saver = state_dict.get("rank", self.process_index)
+        foreign = old == self.world_size and saver != self.process_index
+        for index, (loader, position) in enumerate(zip(self.loaders, positions, strict=True)):
+            if position is None or not isinstance(loader, PreparedDataLoader):
+                continue
+            if foreign:  # another rank's torchdata iterator state is not this rank's
+                position = _position.shared_part(position)
+            if not (self.exact_positions or _position.is_stateful(loader)):
+                position = _position.at_epoch_start(index, position)  # as Accelerate's
+            loader.load_state_dict(position)
+        if foreign:
+            self._keep_own(int(saver))  # saved by the main process alone
+            return
         if old == self.world_size:
             for model, saved in zip(self.models, state_dict["comm_hooks"], strict=False):
                 for state, snapshot in zip(attached_states(model), saved, strict=False):
@@ -218,3 +251,8 @@ class RankState:
             rng.set_rng_state(state_dict["rng"], self.device)
         else:
             resize.set_resized_rng(state_dict["rng"], resize.rank(), self.device)
+
+    def _keep_own(self, saver: int) -> None:
+        # Another rank's file at this world size: only the main process saved (data positions
+        # are the run's, the rest is this process's own and was not saved).
+        _missing_warning(self._path, self.process_index, saver)

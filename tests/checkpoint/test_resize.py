@@ -50,7 +50,7 @@ def train(
     if resume_from is not None:
         with warnings.catch_warnings(record=True) as records:
             warnings.simplefilter("always")
-            accelerator.load_state(resume_from)
+            accelerator.load_state(resume_from, exact_data_position=True)
         caught = [str(w.message) for w in records if issubclass(w.category, KwplugWarning)]
         loaded = snapshot(accelerator, optimizer)
     seen: list[tuple[int, list[int]]] = []  # (epoch, indices) per step, in order
@@ -276,7 +276,7 @@ def save_mid_accumulation(directory: str, load: bool) -> str:
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     if load:
         try:
-            accelerator.load_state(directory)
+            accelerator.load_state(directory, exact_data_position=True)
         except CheckpointError as exc:
             return str(exc)
         return "loaded"

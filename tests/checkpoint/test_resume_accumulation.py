@@ -51,7 +51,7 @@ def _prepared(config: str, resume_from: Path | None = None) -> tuple[Any, ...]:
     loader = DataLoader(data, batch_size=MICRO, shuffle=True)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if resume_from is not None:
-        accelerator.load_state(resume_from)
+        accelerator.load_state(resume_from, exact_data_position=True)
     # One iterator for the epoch (a new `for` over the loader would start a new epoch).
     return accelerator, model, optimizer, iter(loader), scheduler
 

@@ -65,7 +65,7 @@ def main() -> None:
     accelerator.register_for_checkpointing(counter)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if checkpoint.resolve_checkpoint(args.ckpt) is not None:
-        accelerator.load_state(args.ckpt)
+        accelerator.load_state(args.ckpt, exact_data_position=True)
         accelerator.print(f"resumed at step {counter.step} (restart {restart})")
     sys.stdout.write(f"rank {accelerator.process_index} training\n")
     sys.stdout.flush()

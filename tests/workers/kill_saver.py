@@ -1,6 +1,7 @@
 """Worker for tests/checkpoint/test_checkpoint_kills.py: SIGKILL savers at random instants
 and at each named step of the commit protocol, in a row, and check after every kill that the newest
-complete checkpoint loads and is at least as new as the last save that returned.
+complete checkpoint loads and is at least as new as the last save that returned, and that the
+folder its save hook wrote is reachable in the checkpoint directory (``DIR/unet``).
 
 Usage: kill_saver.py DIR KILLS SEED. Prints one JSON line of figures.
 """
@@ -43,6 +44,13 @@ def build() -> tuple[kwplug.Accelerator, torch.nn.Module, Counter]:
     model, optimizer = accelerator.prepare(model, optimizer)
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
+
+    def save_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        # diffusers' save_pretrained into <output_dir>/unet: linked as <DIR>/unet (issue 28)
+        Path(output_dir, "unet").mkdir()
+        Path(output_dir, "unet", "n.txt").write_text(str(counter.n))
+
+    accelerator.register_save_state_pre_hook(save_hook)
     return accelerator, model, counter
 
 
@@ -50,7 +58,7 @@ def saver(directory: Path, ack: int, kill_at: str | None) -> None:
     """Resume, then save newer states forever, acknowledging each finished save."""
     accelerator, model, counter = build()
     if checkpoint.resolve_checkpoint(directory) is not None:
-        accelerator.load_state(directory)
+        accelerator.load_state(directory, exact_data_position=True)
     if kill_at is not None:
 
         def die(step: str) -> None:
@@ -108,6 +116,12 @@ def main() -> None:
         checker.load_state(directory)  # verifies every file first
         assert counter.n >= acked, (counter.n, acked)
         assert torch.all(model.weight == counter.n)
+        # The hook's folder, linked into DIR, is the loaded version's (a kill between the
+        # marker and the link is repaired by the load); no other link or temporary is left.
+        assert (directory / "unet").is_symlink()
+        assert int((directory / "unet" / "n.txt").read_text()) == counter.n
+        links = [p.name for p in directory.iterdir() if p.is_symlink()]
+        assert links == ["unet"], links
         acked = counter.n
         figures["survived"] += 1
 

@@ -46,7 +46,7 @@ def main() -> None:
         model, optimizer, DataLoader(data, batch_size=BATCH, shuffle=True)
     )
     if checkpoint.resolve_checkpoint(args.ckpt) is not None:
-        accelerator.load_state(args.ckpt)
+        accelerator.load_state(args.ckpt, exact_data_position=True)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     world, rank = accelerator.num_processes, accelerator.process_index
     hold = tuple(args.hold_at) if args.hold_at and restart == 0 and world == 2 else None

@@ -57,7 +57,7 @@ def main() -> None:
     loader = DataLoader(data, batch_size=4, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if args.resume:
-        accelerator.load_state(args.resume)
+        accelerator.load_state(args.resume, exact_data_position=True)
 
     step = args.start_step
     while step < args.steps:
