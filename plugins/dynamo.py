@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -80,17 +80,24 @@ def _mode(value: str | None) -> str:
 
     accepted = list(torch._inductor.list_mode_options())  # torch.compile's modes
     if value not in accepted:
-        raise ValueError(f"'mode' must be one of {', '.join(map(repr, accepted))}, got {shown(value)}")
+        raise ValueError(
+            f"'mode' must be one of {', '.join(map(repr, accepted))}, got {shown(value)}"
+        )
     return value
 
 
-def _env_flag(name: str) -> Any:
-    def convert(value: Any) -> Any:
-        if value is None:
-            return bool(str_to_bool(os.environ.get(_PREFIX + name, "False")))
-        return value
+def _env_flag(value: Any, name: str) -> Any:
+    if value is None:
+        return bool(str_to_bool(os.environ.get(_PREFIX + name, "False")))
+    return value
 
-    return convert
+
+def _fullgraph(value: Any) -> Any:
+    return _env_flag(value, "USE_FULLGRAPH")
+
+
+def _regional(value: Any) -> Any:
+    return _env_flag(value, "USE_REGIONAL_COMPILATION")
 
 
 def _dynamic(value: Any) -> Any:
@@ -154,15 +161,13 @@ class TorchDynamoPlugin(KwargsHandler):
 
     backend: DynamoBackend = attrs.field(default=None, converter=_backend)
     mode: str = attrs.field(default=None, converter=_mode)
-    fullgraph: bool = attrs.field(
-        default=None, converter=_env_flag("USE_FULLGRAPH"), validator=strict_bool
-    )
+    fullgraph: bool = attrs.field(default=None, converter=_fullgraph, validator=strict_bool)
     dynamic: bool | None = attrs.field(default=None, converter=_dynamic, validator=optional_bool)
     options: Any = attrs.field(default=None, validator=_options)
     disable: bool = attrs.field(default=False, validator=strict_bool)
     use_regional_compilation: bool = attrs.field(
         default=None,
-        converter=_env_flag("USE_REGIONAL_COMPILATION"),
+        converter=_regional,
         validator=_no_regions,
         metadata={TO_KWARGS: False},
     )
@@ -194,5 +199,5 @@ class TorchDynamoPlugin(KwargsHandler):
             return None
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
             return None
-        compiled: torch.nn.Module = torch.compile(model, **self.compile_kwargs())
-        return compiled
+        # torch.compile of a module is an OptimizedModule (a Module); its stub says Callable.
+        return cast(torch.nn.Module, torch.compile(model, **self.compile_kwargs()))

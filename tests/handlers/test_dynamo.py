@@ -1,0 +1,309 @@
+"""``Accelerator(dynamo_backend=...)``/``TorchDynamoPlugin``: ``torch.compile`` in ``prepare``
+through the ``compile_model`` hook (the built-in ``dynamo`` plugin), on CPU with the ``eager``
+and ``aot_eager`` backends (no C compiler needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from python import python
+from safetensors import safe_open
+from torch._dynamo.eval_frame import OptimizedModule
+
+import kwplug
+from kwplug import Accelerator
+from kwplug.utils import DynamoBackend, TorchDynamoPlugin, extract_model_from_parallel
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _train(accelerator: Accelerator, steps: int = 5) -> tuple[list[float], torch.nn.Module]:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 4, generator=generator)
+    y = torch.randn(16, 1, generator=generator)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(prepared(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, prepared
+
+
+def test_hook_compile_model() -> None:
+    accelerator = Accelerator(cpu=True, dynamo_backend="eager")
+    model = _model()
+    prepared = accelerator.prepare(model)
+    assert isinstance(prepared, OptimizedModule)
+    assert prepared._orig_mod is model
+    # dynamo_backend= passes the handler on, as if given in kwargs_handlers.
+    assert (
+        accelerator.plan["compile_model"].plugin
+        == "user[0]:kwplug.plugins.dynamo.TorchDynamoPlugin"
+    )
+    # Prepared twice: compiled once (Accelerate's `not is_compiled_module(model)`).
+    assert accelerator.prepare(prepared) is prepared
+
+
+def test_no_backend_compiles_nothing() -> None:
+    for accelerator in (Accelerator(cpu=True), Accelerator(cpu=True, dynamo_backend="no")):
+        model = _model()
+        assert accelerator.prepare(model) is model
+        assert accelerator.plan["compile_model"].plugin is None
+
+
+def test_evaluation_mode_compiles_too() -> None:
+    # Accelerate: evaluation_mode applies "mixed precision and torch.compile" only.
+    accelerator = Accelerator(cpu=True, dynamo_backend="eager")
+    model = _model()
+    prepared = accelerator.prepare_model(model, evaluation_mode=True)
+    assert isinstance(prepared, OptimizedModule) and prepared._orig_mod is model
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_training_gives_the_losses_of_the_uncompiled_model(backend: str) -> None:
+    plain, plain_model = _train(Accelerator(cpu=True))
+    compiled, compiled_model = _train(Accelerator(cpu=True, dynamo_backend=backend))
+    assert isinstance(compiled_model, OptimizedModule)
+    # eager runs the very same kernels: bitwise. aot_eager runs the decomposed graph: the same
+    # float32 sums in the same order here, so also equal; 1e-6 leaves room for torch versions.
+    tolerance = 0.0 if backend == "eager" else 1e-6
+    assert compiled == pytest.approx(plain, abs=tolerance, rel=0)
+    assert compiled[-1] < compiled[0]  # it trained
+    for a, b in zip(
+        plain_model.state_dict().values(),
+        compiled_model._orig_mod.state_dict().values(),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, atol=tolerance, rtol=0)
+
+
+def test_unwrap_model_keeps_or_removes_the_compiled_wrapper() -> None:
+    accelerator = Accelerator(cpu=True, dynamo_backend="eager")
+    model = _model()
+    prepared = accelerator.prepare(model)
+    assert accelerator.unwrap_model(prepared) is prepared  # keep_torch_compile=True default
+    assert accelerator.unwrap_model(prepared, keep_torch_compile=True) is prepared
+    assert accelerator.unwrap_model(prepared, keep_torch_compile=False) is model
+    assert extract_model_from_parallel(prepared) is prepared
+    assert extract_model_from_parallel(prepared, keep_torch_compile=False) is model
+
+
+def test_saved_keys_are_the_modules_own(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True, dynamo_backend="eager")
+    _, prepared = _train(accelerator, steps=2)
+    own = sorted(prepared._orig_mod.state_dict())
+    assert own == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    accelerator.save_model(prepared, tmp_path / "model")
+    with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == own
+    assert sorted(accelerator.get_state_dict(prepared)) == own
+    accelerator.save_state(tmp_path / "state")
+    (state_file,) = (tmp_path / "state").glob("*/model_0.safetensors")  # kwplug's layout
+    with safe_open(str(state_file), "pt") as f:
+        assert sorted(f.keys()) == own
+        saved = {k: f.get_tensor(k) for k in own}
+    # ... and load back into the compiled model.
+    with torch.no_grad():
+        for parameter in prepared.parameters():
+            parameter.zero_()
+    accelerator.load_state(tmp_path / "state")
+    for key, value in prepared._orig_mod.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+
+
+def test_what_reaches_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+    real = torch.compile
+
+    def spy(model: torch.nn.Module, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    plugin = TorchDynamoPlugin(backend="AOT_EAGER", fullgraph=True, dynamic=False)
+    prepared = Accelerator(cpu=True, dynamo_plugin=plugin).prepare(_model())
+    assert isinstance(prepared, OptimizedModule)
+    assert calls == [
+        {
+            "backend": "aot_eager",
+            "mode": None,
+            "fullgraph": True,
+            "dynamic": False,
+            "options": None,
+            "disable": False,
+        }
+    ]
+    calls.clear()
+    model = _model()
+    disabled = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="eager", disable=True))
+    assert disabled.prepare(model) is model  # torch.compile(disable=True) is the model itself
+    assert calls[0]["disable"] is True
+
+
+def test_backend_names_in_any_case_as_accelerate() -> None:
+    from accelerate.utils import DynamoBackend as AccelerateBackend
+    from accelerate.utils import TorchDynamoPlugin as AcceleratePlugin
+
+    assert [b.name for b in DynamoBackend] == [b.name for b in AccelerateBackend]
+    assert [b.value for b in DynamoBackend] == [b.value for b in AccelerateBackend]
+    for given in ("eager", "EAGER", "Eager", DynamoBackend.EAGER, "aot_eager", "no"):
+        ours = TorchDynamoPlugin(backend=given)
+        theirs = AcceleratePlugin(backend=given)
+        assert ours.backend.value == theirs.backend.value
+        assert ours.to_dict()["backend"] == theirs.to_dict()["backend"]
+    assert TorchDynamoPlugin(backend=DynamoBackend.INDUCTOR).backend is DynamoBackend.INDUCTOR
+
+
+def test_environment_defaults_as_accelerate(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate.utils import TorchDynamoPlugin as AcceleratePlugin
+
+    def fields(plugin: Any) -> dict[str, Any]:
+        names = ("mode", "fullgraph", "dynamic", "disable", "options")
+        return {"backend": plugin.backend.value, **{n: getattr(plugin, n) for n in names}}
+
+    assert fields(TorchDynamoPlugin()) == fields(AcceleratePlugin())
+    assert TorchDynamoPlugin().backend is DynamoBackend.NO
+    # What `accelerate launch --dynamo_backend eager --dynamo_mode ...` exports.
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "EAGER")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "max-autotune")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_FULLGRAPH", "True")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "False")
+    assert fields(TorchDynamoPlugin()) == fields(AcceleratePlugin())
+    assert fields(TorchDynamoPlugin()) == {
+        "backend": "EAGER",
+        "mode": "max-autotune",
+        "fullgraph": True,
+        "dynamic": False,
+        "disable": False,
+        "options": None,
+    }
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "default")
+    # The default instance every Accelerator registers reads them: compiled without a keyword.
+    model = _model()
+    prepared = Accelerator(cpu=True).prepare(model)
+    assert isinstance(prepared, OptimizedModule) and prepared._orig_mod is model
+
+
+def test_bad_values_are_errors_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"'backend' must be one of 'no', 'eager'.*'aot_eager'"):
+        TorchDynamoPlugin(backend="eagre")
+    with pytest.raises(ValueError, match="'backend' must be one of"):
+        Accelerator(cpu=True, dynamo_backend="not-a-backend")
+    with pytest.raises(TypeError, match="'backend' must be a str"):
+        TorchDynamoPlugin(backend=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"'mode' must be one of .*'reduce-overhead'"):
+        TorchDynamoPlugin(backend="inductor", mode="fastest")
+    with pytest.raises(TypeError, match="'fullgraph'"):
+        TorchDynamoPlugin(fullgraph="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="'options'"):
+        TorchDynamoPlugin(options=["max_autotune"])
+    with pytest.raises(ValueError, match="'use_regional_compilation' must be False"):
+        TorchDynamoPlugin(use_regional_compilation=True)
+    with pytest.raises(
+        ValueError, match="cannot pass in both `dynamo_plugin` and `dynamo_backend`"
+    ):
+        Accelerator(cpu=True, dynamo_backend="eager", dynamo_plugin=TorchDynamoPlugin())
+    with pytest.raises(TypeError, match="dynamo_plugin must be a TorchDynamoPlugin"):
+        Accelerator(cpu=True, dynamo_plugin={"backend": "eager"})  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match="both TorchDynamoPlugin; pass at most one handler of each class"
+    ):
+        Accelerator(
+            cpu=True, kwargs_handlers=[TorchDynamoPlugin()], dynamo_plugin=TorchDynamoPlugin()
+        )
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "turbo")
+    with pytest.raises(ValueError, match="'backend' must be one of .*got 'turbo'"):
+        Accelerator(cpu=True)
+    assert TorchDynamoPlugin(backend="eager").backend is DynamoBackend.EAGER  # given wins
+
+
+def test_a_plugin_answering_something_else_than_a_module_is_a_type_error() -> None:
+    import attrs
+
+    @attrs.define
+    class Broken(kwplug.KwargsHandler):
+        @kwplug.hookimpl
+        def compile_model(self, model: torch.nn.Module) -> Any:
+            return "compiled"
+
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[Broken()])
+    with pytest.raises(TypeError, match="hook 'compile_model' .* returned str"):
+        accelerator.prepare(_model())
+
+
+_SIDE_BY_SIDE = """
+import glob, json, sys, tempfile, torch
+from accelerate import Accelerator
+from accelerate.utils import TorchDynamoPlugin
+from safetensors import safe_open
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="aot_eager"))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+prepared, optimizer = accelerator.prepare(model, optimizer)
+losses = []
+generator = torch.Generator().manual_seed(1)
+x = torch.randn(16, 4, generator=generator)
+y = torch.randn(16, 1, generator=generator)
+for _ in range(4):
+    loss = torch.nn.functional.mse_loss(prepared(x), y)
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(loss.item())
+kept = accelerator.unwrap_model(prepared)
+removed = accelerator.unwrap_model(prepared, keep_torch_compile=False)
+folder = tempfile.mkdtemp()
+accelerator.save_state(folder)
+(model_file,) = glob.glob(folder + "/**/model*.safetensors", recursive=True)
+with safe_open(model_file, "pt") as f:
+    state_keys = sorted(f.keys())
+accelerator.save_model(prepared, folder + "/export")
+with safe_open(folder + "/export/model.safetensors", "pt") as f:
+    model_keys = sorted(f.keys())
+print(json.dumps({
+    "prepared": type(prepared).__name__,
+    "orig_mod_is_model": prepared._orig_mod is model,
+    "kept": type(kept).__name__,
+    "kept_is_prepared": kept is prepared,
+    "removed": type(removed).__name__,
+    "removed_is_model": removed is model,
+    "backend": getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None),
+    "losses": losses,
+    "state_keys": state_keys,
+    "model_keys": model_keys,
+}))
+"""
+
+
+def test_side_by_side_with_accelerate() -> None:
+    results = {}
+    for library in ("accelerate", "kwplug"):
+        source = _SIDE_BY_SIDE.replace("from accelerate", f"from {library}")
+        done = python("-c", source, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[library] = json.loads(done.stdout.strip().splitlines()[-1])
+    ours, theirs = results["kwplug"], results["accelerate"]
+    assert theirs["backend"] == "AOT_EAGER" and ours["backend"] is None  # no state.dynamo_plugin
+    # save_model: Accelerate 1.16 writes torch.compile's `_orig_mod.` prefix into the exported
+    # file (its save_state does not); kwplug writes the module's own keys in both (documented).
+    assert ours["model_keys"] == ours["state_keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert theirs["model_keys"] == [f"_orig_mod.{key}" for key in ours["model_keys"]]
+    for key in ("backend", "model_keys"):
+        ours.pop(key), theirs.pop(key)
+    assert ours == theirs
+    assert ours["prepared"] == "OptimizedModule" and ours["removed"] == "Sequential"
