@@ -16,6 +16,8 @@ from torch._dynamo.eval_frame import OptimizedModule
 
 import kwplug
 from kwplug import Accelerator
+from kwplug.errors import MissingFeatureError
+from kwplug.testing import PluginSandbox
 from kwplug.utils import DynamoBackend, TorchDynamoPlugin, extract_model_from_parallel
 
 
@@ -307,3 +309,60 @@ def test_side_by_side_with_accelerate() -> None:
         ours.pop(key), theirs.pop(key)
     assert ours == theirs
     assert ours["prepared"] == "OptimizedModule" and ours["removed"] == "Sequential"
+
+
+def _ddp_run(library: str, backend: str, folder: Path) -> list[dict[str, Any]]:
+    from torchrun import torchrun
+
+    worker = Path(__file__).parents[1] / "workers" / "dynamo_ddp_worker.py"
+    done = torchrun(worker, library, backend, str(folder), nproc=2, timeout=240)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("KWPLUG_RESULT ")]
+    assert len(lines) == 1, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    result: list[dict[str, Any]] = json.loads(lines[0].split(" ", 1)[1])
+    return result
+
+
+def test_ddp_in_two_processes_compiled_as_accelerate(tmp_path: Path) -> None:
+    plain = _ddp_run("kwplug", "no", tmp_path / "plain")
+    ours = _ddp_run("kwplug", "eager", tmp_path / "ours")
+    theirs = _ddp_run("accelerate", "eager", tmp_path / "theirs")
+    for rank in range(2):
+        # torch.compile around the DDP wrapper, in both libraries.
+        assert ours[rank]["prepared"] == theirs[rank]["prepared"] == "OptimizedModule"
+        assert ours[rank]["inside"] == theirs[rank]["inside"] == "DistributedDataParallel"
+        assert plain[rank]["prepared"] == "DistributedDataParallel"
+        assert ours[rank]["removed_is_model"] and theirs[rank]["removed_is_model"]
+        # keep_torch_compile=True: an OptimizedModule around the module itself in both (kwplug's
+        # is a new one; Accelerate's is the prepared one with DDP taken out of it).
+        assert ours[rank]["kept"] == theirs[rank]["kept"] == "OptimizedModule"
+        assert ours[rank]["kept_inside_is_model"] and theirs[rank]["kept_inside_is_model"]
+        # The same losses and weights as the uncompiled DDP run and as Accelerate: exactly
+        # (eager runs the same kernels; the gradients are averaged by the same all-reduce).
+        assert ours[rank]["losses"] == plain[rank]["losses"] == theirs[rank]["losses"]
+        assert ours[rank]["weights"] == plain[rank]["weights"] == theirs[rank]["weights"]
+        assert ours[rank]["state_keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert ours[0]["weights"] == ours[1]["weights"]  # synchronised
+
+
+def test_dynamo_backend_with_the_plugin_blocked_names_why(
+    kwplug_plugins: PluginSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KWPLUG_BLOCK_PLUGINS", "dynamo")
+    with pytest.raises(
+        MissingFeatureError, match=r"built-in 'dynamo' plugin, which is not loaded \(blocked"
+    ):
+        Accelerator(cpu=True, dynamo_backend="eager")
+    # Without the keyword nothing asks for it: the model is prepared uncompiled.
+    model = _model()
+    assert Accelerator(cpu=True).prepare(model) is model
+
+
+def test_from_config_table() -> None:
+    accelerator = Accelerator.from_config(
+        {"cpu": True, "handlers": {"dynamo": {"backend": "aot_eager", "fullgraph": True}}}
+    )
+    model = _model()
+    prepared = accelerator.prepare(model)
+    assert isinstance(prepared, OptimizedModule) and prepared._orig_mod is model
+    (handler,) = [h for h in accelerator.handlers if isinstance(h, TorchDynamoPlugin)]
+    assert handler.compile_kwargs()["backend"] == "aot_eager" and handler.fullgraph is True
