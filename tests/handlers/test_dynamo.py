@@ -366,3 +366,29 @@ def test_from_config_table() -> None:
     assert isinstance(prepared, OptimizedModule) and prepared._orig_mod is model
     (handler,) = [h for h in accelerator.handlers if isinstance(h, TorchDynamoPlugin)]
     assert handler.compile_kwargs()["backend"] == "aot_eager" and handler.fullgraph is True
+
+
+def test_hook_compile_model_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    import attrs
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "eager")  # the default instance compiles
+
+    @attrs.define
+    class Own(kwplug.KwargsHandler):
+        answer: bool = True
+
+        @kwplug.hookimpl
+        def compile_model(self, model: torch.nn.Module) -> torch.nn.Module | None:
+            return torch.nn.Sequential(model) if self.answer else None
+
+    model = _model()
+    # A user handler answers before the built-in default ...
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[Own()])
+    mine = accelerator.prepare(model)
+    assert isinstance(mine, torch.nn.Sequential) and mine[0] is model
+    assert accelerator.plan["compile_model"].plugin.startswith("user[0]:")
+    # ... and its None falls through to the default TorchDynamoPlugin.
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[Own(answer=False)])
+    compiled = accelerator.prepare(model)
+    assert isinstance(compiled, OptimizedModule) and compiled._orig_mod is model
+    assert accelerator.plan["compile_model"].plugin == "kwplug:dynamo"
