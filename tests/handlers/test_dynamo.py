@@ -354,6 +354,17 @@ def test_ddp_in_two_processes_compiled_as_accelerate(tmp_path: Path) -> None:
         assert ours[rank]["weights"] == plain[rank]["weights"] == theirs[rank]["weights"]
         assert ours[rank]["state_keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
     assert ours[0]["weights"] == ours[1]["weights"]  # synchronised
+    # no_sync reaches DDP inside the compiled wrapper (local gradients differ per rank, as in
+    # Accelerate), and trigger_sync_in_backward re-arms it (the same gradients on both ranks).
+    # Accelerate 1.16's trigger_sync_in_backward sets DDP's flags on the compiled wrapper
+    # instead, so its backward stays local (documented in the migration table).
+    for run in (ours, theirs, plain):
+        assert run[0]["no_sync_grads"] != run[1]["no_sync_grads"]
+    assert ours[0]["triggered_grads"] == ours[1]["triggered_grads"]
+    assert plain[0]["triggered_grads"] == plain[1]["triggered_grads"]
+    assert ours[0]["triggered_grads"] == plain[0]["triggered_grads"]
+    assert theirs[0]["triggered_grads"] != theirs[1]["triggered_grads"]
+    assert ours[0]["no_sync_grads"] == plain[0]["no_sync_grads"] == theirs[0]["no_sync_grads"]
 
 
 def test_dynamo_backend_with_the_plugin_blocked_names_why(

@@ -36,6 +36,18 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    # One micro-batch under no_sync: local gradients (they differ per rank) unless the
+    # context failed to reach DDP inside the compiled wrapper.
+    with accelerator.no_sync(prepared):
+        accelerator.backward(torch.nn.functional.mse_loss(prepared(x), y))
+    local = [p.grad.flatten().tolist() for p in model.parameters() if p.grad is not None]
+    optimizer.zero_grad()
+    with accelerator.no_sync(prepared):  # Accelerate's documented use: forward here, ...
+        loss = torch.nn.functional.mse_loss(prepared(x), y)
+    with accelerator.trigger_sync_in_backward(prepared):  # ... the backward synchronising
+        accelerator.backward(loss)
+    synced = [p.grad.flatten().tolist() for p in model.parameters() if p.grad is not None]
+    optimizer.zero_grad()
     accelerator.save_state(folder)
     (model_file,) = glob.glob(f"{folder}/**/model*.safetensors", recursive=True)
     with safe_open(model_file, "pt") as f:
@@ -51,6 +63,8 @@ def main() -> None:
         "losses": losses,
         "state_keys": keys,
         "weights": [p.detach().flatten().tolist() for p in model.parameters()],
+        "no_sync_grads": local,
+        "triggered_grads": synced,
     }
     per_rank: list[Any] = [None] * accelerator.num_processes
     dist.all_gather_object(per_rank, result)
