@@ -365,6 +365,21 @@ class HandlerSpec:
         after the models and optimizers are restored. ``firstresult``: no.
         """
 
+    @spec(ONE_ANSWER)
+    def compile_model(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """Compile a prepared model (e.g. ``torch.compile``), or return ``None``.
+
+        Args:
+            model: the model ``prepare`` built, after :meth:`wrap_model` (the wrapper, if any).
+
+        Returns:
+            The module that ``prepare`` returns instead (the built-in ``TorchDynamoPlugin``
+            answers ``torch.compile(model, ...)``), or ``None`` for "not mine".
+
+        Called by: ``Accelerator.prepare()`` (and ``prepare_model()``), once per model, last,
+        as Accelerate compiles last. ``firstresult``: yes.
+        """
+
 
 def hook_infos() -> dict[str, HookInfo]:
     """Every hook spec's :class:`HookInfo`, by name, in the order :class:`HandlerSpec`

@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.plugins.comet_ml_tracker import CometMLTracker as CometMLTracker
     from kwplug.plugins.ddp import DDPCommunicationHookType as DDPCommunicationHookType
     from kwplug.plugins.ddp import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+    from kwplug.plugins.dynamo import DynamoBackend as DynamoBackend
+    from kwplug.plugins.dynamo import TorchDynamoPlugin as TorchDynamoPlugin
     from kwplug.plugins.grad_scaler import GradScalerKwargs as GradScalerKwargs
     from kwplug.plugins.mlflow_tracker import MLflowTracker as MLflowTracker
     from kwplug.plugins.process_group import InitProcessGroupKwargs as InitProcessGroupKwargs
@@ -35,6 +37,8 @@ _EXPORTS: dict[str, str] = {
     "AutocastKwargs": ".autocast",
     "DDPCommunicationHookType": ".ddp",
     "DistributedDataParallelKwargs": ".ddp",
+    "DynamoBackend": ".dynamo",
+    "TorchDynamoPlugin": ".dynamo",
     "GradScalerKwargs": ".grad_scaler",
     "InitProcessGroupKwargs": ".process_group",
     "ProfileKwargs": ".profile",

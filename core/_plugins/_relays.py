@@ -128,6 +128,11 @@ class FirstRelay:
         answer: AbstractContextManager[Any] | None = self._ask("sync_in_backward", {"model": model})
         return answer
 
+    def compile_model(self, *, model: torch.nn.Module) -> torch.nn.Module | None:
+        """Ask ``compile_model`` (see :meth:`kwplug.hookspecs.HandlerSpec.compile_model`)."""
+        answer: torch.nn.Module | None = self._ask("compile_model", {"model": model})
+        return answer
+
 
 class EachRelay:
     """The collecting hooks: each method returns ``(registered name, answer)`` per plugin

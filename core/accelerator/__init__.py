@@ -39,6 +39,8 @@ _REEXPORTS = {
     "GradientAccumulationPlugin": "kwplug.utils",
     "ProjectConfiguration": "kwplug.utils",
     "DistributedType": "kwplug.utils",
+    "DynamoBackend": "kwplug.utils",
+    "TorchDynamoPlugin": "kwplug.utils",
     **dict.fromkeys(BUILTIN_HANDLERS, "kwplug"),
     "KwargsHandler": "kwplug",
 }

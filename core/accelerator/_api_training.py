@@ -65,7 +65,7 @@ class _TrainingAPI:
         model (kwplug-fsdp); ``contextlib.nullcontext()`` when no plugin answers (a model that
         is not wrapped).
         """
-        context = self._setup.plugins.first.no_sync(model=model)
+        context = self._setup.plugins.first.no_sync(model=_join.hook_target(model))
         return contextlib.nullcontext() if context is None else context
 
     def trigger_sync_in_backward(

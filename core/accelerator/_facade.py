@@ -20,6 +20,7 @@ from kwplug.accelerator._api_process import _DataAndProcessAPI
 from kwplug.accelerator._api_saving import _SavingAPI
 from kwplug.accelerator._api_tracking import _TrackingAPI
 from kwplug.accelerator._api_training import _TrainingAPI
+from kwplug.accelerator._compile_keywords import with_compile_handler
 from kwplug.accelerator._gradient_state import GradientState
 from kwplug.accelerator._keywords import check_bool
 from kwplug.accelerator._options import resolve_options
@@ -72,6 +73,12 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
         device_placement: default ``True``: :meth:`prepare` moves models, optimizer state and
             batches to :attr:`device`; ``False``: nothing is moved unless a ``prepare*``
             call's ``device_placement`` says so (as Accelerate).
+        dynamo_backend: ``torch.compile`` backend for every prepared model (``"eager"``,
+            ``"inductor"``..., any case; default ``None``: ``ACCELERATE_DYNAMO_BACKEND`` or
+            ``"no"``): ``TorchDynamoPlugin(backend=dynamo_backend)``, the built-in ``dynamo``
+            plugin answering the ``compile_model`` hook.
+        dynamo_plugin: a :class:`kwplug.utils.TorchDynamoPlugin` instead (not with
+            ``dynamo_backend``: ``ValueError``).
 
     The rest of the methods come from the base classes, one concern each: ``_PrepareAPI``
     (``prepare``, ``prepare_model``, ``prepare_optimizer``, ``prepare_data_loader``,
@@ -135,6 +142,8 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
         split_batches: bool | None = None,
         even_batches: bool | None = None,
         device_placement: bool = True,
+        dynamo_backend: str | None = None,
+        dynamo_plugin: KwargsHandler | None = None,
     ) -> None:
         try:
             options = resolve_options(
@@ -148,6 +157,8 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
             if short is None:
                 raise
             raise short from None
+        # torch.compile is the `dynamo` plugin's: the keywords only add its handler.
+        kwargs_handlers = with_compile_handler(kwargs_handlers, dynamo_backend, dynamo_plugin)
         # Resolved once; the public attributes below are read-only by convention.
         self._setup: _Setup = resolve(
             "no" if mixed_precision is None else mixed_precision, cpu, kwargs_handlers

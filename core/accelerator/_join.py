@@ -22,11 +22,19 @@ from kwplug.data import BatchSamplerShard
 from kwplug.errors import KwplugWarning
 
 
+def hook_target(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``no_sync``/``sync_in_backward`` are asked about: inside ``torch.compile``'s
+    wrapper (``_orig_mod``, e.g. the DDP model ``prepare`` compiled last), as Accelerate's
+    ``model.no_sync`` reaches it through the wrapper's attribute delegation."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
 def sync_in_backward(
     plugins: KwplugPluginManager, model: torch.nn.Module
 ) -> contextlib.AbstractContextManager[Any]:
     """The ``sync_in_backward`` hook's context for ``model``; a null context if unanswered."""
-    context = plugins.first.sync_in_backward(model=model)
+    context = plugins.first.sync_in_backward(model=hook_target(model))
     return contextlib.nullcontext() if context is None else context
 
 

@@ -139,10 +139,12 @@ class _Prepared:
         precision, run its ``forward`` under the autocast context with float32 outputs
         (``kwplug._runtime._forward``, as Accelerate's ``prepare``); wrap it through
         ``wrap_model`` (unless ``evaluation_mode``: Accelerate's, no DDP wrapper for a model
-        only evaluated); follow replaced parameters in every prepared optimizer.
+        only evaluated); follow replaced parameters in every prepared optimizer; then, last,
+        ``compile_model`` (``torch.compile`` with ``dynamo_backend=``/``TorchDynamoPlugin``).
 
         Raises:
-            TypeError: the answering plugin returned something that is not a module.
+            TypeError: the answering plugin (``wrap_model``, ``compile_model``) returned
+                something that is not a module.
             PluginHookError: several processes run and no plugin wrapped a model that has
                 trainable parameters (its gradients would never be synchronised).
         """
@@ -154,6 +156,7 @@ class _Prepared:
             # Patched before wrapping, as Accelerate: a DDP wrapper calls the patched forward.
             apply_mixed_precision(model, setup.autocast_factory)
         if evaluation_mode:
+            model = self._compiled(model)
             self.models.append(model)
             return model
         wrapped = setup.plugins.first.wrap_model(
@@ -176,8 +179,23 @@ class _Prepared:
         if self.remap.learn(before, dict(unwrap_model(result).named_parameters())):
             for optimizer in self.optimizers:
                 self.remap.apply(optimizer)
+        result = self._compiled(result)
         self.models.append(result)
         return result
+
+    def _compiled(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` through the ``compile_model`` hook, last, as Accelerate compiles last
+        (also in ``evaluation_mode``); itself when no plugin answers."""
+        compiled = self.setup.plugins.first.compile_model(model=model)
+        if compiled is None:
+            return model
+        if not isinstance(compiled, torch.nn.Module):
+            plugin = self.plan["compile_model"].plugin or "?"
+            raise TypeError(
+                f"hook 'compile_model' of {self.setup.plugins.describe(plugin)} returned "
+                f"{type(compiled).__name__}, not a torch.nn.Module"
+            )
+        return compiled
 
     def optimizer(
         self, optimizer: torch.optim.Optimizer, device_placement: bool = True

@@ -23,8 +23,8 @@ Modules, named as Accelerate's:
 - :mod:`kwplug.utils.environment`: ``patch_environment``, ``purge_accelerate_environment``,
   ``str_to_bool``;
 - the handlers (``AutocastKwargs``, ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
-  ``InitProcessGroupKwargs``, ``ProfileKwargs``) and ``DDPCommunicationHookType``, from
-  :mod:`kwplug.plugins`.
+  ``InitProcessGroupKwargs``, ``ProfileKwargs``, ``TorchDynamoPlugin``),
+  ``DDPCommunicationHookType`` and ``DynamoBackend``, from :mod:`kwplug.plugins`.
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.plugins import AutocastKwargs as AutocastKwargs
     from kwplug.plugins import DDPCommunicationHookType as DDPCommunicationHookType
     from kwplug.plugins import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+    from kwplug.plugins import DynamoBackend as DynamoBackend
     from kwplug.plugins import GradScalerKwargs as GradScalerKwargs
     from kwplug.plugins import InitProcessGroupKwargs as InitProcessGroupKwargs
     from kwplug.plugins import ProfileKwargs as ProfileKwargs
+    from kwplug.plugins import TorchDynamoPlugin as TorchDynamoPlugin
     from kwplug.utils.availability import is_aim_available as is_aim_available
     from kwplug.utils.availability import is_amdsmi_available as is_amdsmi_available
     from kwplug.utils.availability import is_habana_gaudi1 as is_habana_gaudi1
@@ -150,6 +152,8 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(BUILTIN_HANDLERS, "kwplug.plugins"),
     "DDPCommunicationHookType": "kwplug.plugins",
+    "DynamoBackend": "kwplug.plugins",
+    "TorchDynamoPlugin": "kwplug.plugins",
     "DataLoaderConfiguration": "kwplug.utils.dataclasses",
     "DistributedType": "kwplug.utils.dataclasses",
     "RNGType": "kwplug.utils.dataclasses",

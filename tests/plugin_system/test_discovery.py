@@ -16,6 +16,7 @@ def test_builtins_are_discovered_with_their_hooks() -> None:
         "comet_ml": ("trackers",),
         "ddp": ("no_sync", "sync_in_backward", "validate_setup", "wrap_model"),
         "ddp_comm_hooks": ("comm_hooks",),
+        "dynamo": ("compile_model",),
         "grad_scaler": ("make_scaler",),
         "init_process_group": ("init_process_group", "validate_setup"),
         "mlflow": ("trackers",),
