@@ -187,6 +187,16 @@ class _SavingAPI:
             load_handler_state=load_handler_state,
             project_configuration=acc.project_configuration,
             run=self._checkpoint_run,
+            # How sharded models are saved: the wrapping plugin's state_dict_type, if any
+            # (pluggy's last-registered answers first, as wrap_model's first answer).
+            state_dict_type=next(
+                (
+                    kind
+                    for impl in reversed(plugins.hook_impls("wrap_model"))
+                    if (kind := getattr(impl.plugin, "state_dict_type", None)) is not None
+                ),
+                None,
+            ),
         )
 
     @property

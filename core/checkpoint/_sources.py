@@ -68,6 +68,10 @@ class CheckpointSources:
             ``iteration`` is advanced by each save and set by a load).
         run: the id automatic naming tags this run's checkpoints with (the Accelerator's,
             kept across calls; :mod:`kwplug.checkpoint._runs`).
+        state_dict_type: how sharded models are saved, as the plugin that sharded them
+            says (its ``state_dict_type``): ``"SHARDED_STATE_DICT"`` (each rank its shards,
+            :mod:`kwplug.checkpoint._dcp`; ``None`` means it, Accelerate's FSDP2 default) or
+            ``"FULL_STATE_DICT"`` (gathered to rank 0, :mod:`kwplug.checkpoint._sharded`).
     """
 
     models: tuple[torch.nn.Module, ...]
@@ -86,6 +90,7 @@ class CheckpointSources:
     load_handler_state: Callable[[Mapping[str, Any]], None]
     project_configuration: ProjectConfiguration
     run: RunIdentity = attrs.field(factory=RunIdentity)
+    state_dict_type: Any = None
 
     @property
     def is_main_process(self) -> bool:
