@@ -24,7 +24,10 @@ models and export; the plugin that sharded the model selects it (its ``state_dic
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +92,15 @@ def _verify(path: Path, record: tuple[int, str]) -> None:
     reader.verify(path, record)
 
 
+@contextlib.contextmanager
+def _one_process(world: int) -> Iterator[None]:
+    # DCP warns that it "assumes the intent" of a one-process save or load: it is kwplug's.
+    with warnings.catch_warnings():
+        if world == 1:
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
 def _rank() -> tuple[int, int]:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -135,11 +147,14 @@ class ShardedState:
 
         from kwplug.checkpoint._dcp_storage import ShardWriter
 
-        rank, _ = _rank()
+        rank, world = _rank()
         tensors, other, _ = _split(self.live_state())
         writer = ShardWriter(staging, self.prefix, rank, self.kind)
         try:
-            save(tensors, storage_writer=writer, planner=DefaultSavePlanner())
+            with _one_process(world):
+                save(
+                    tensors, storage_writer=writer, planner=DefaultSavePlanner(), no_dist=world == 1
+                )
         except Exception as exc:  # DCP's CheckpointException carries every rank's failure
             return {}, f"writing the shards of {self.prefix} into {staging} failed: {exc}"
         records = dict(writer.records)
@@ -208,7 +223,14 @@ class ShardedState:
             )
         files = [directory / n for n in self.files(records)]
         try:
-            load(tensors, storage_reader=ShardReader(files), planner=DefaultLoadPlanner())
+            world = _rank()[1]
+            with _one_process(world):
+                load(
+                    tensors,
+                    storage_reader=ShardReader(files),
+                    planner=DefaultLoadPlanner(),
+                    no_dist=world == 1,
+                )
         except Exception as exc:  # DCP's CheckpointException: every rank's failure
             raise CheckpointError(f"loading {directory / self.prefix} failed: {exc}") from exc
         self.set_state(unflatten_state_dict({**tensors, **saved}, mapping))
