@@ -137,3 +137,17 @@ def test_a_sharded_load_calls_no_unpickler(copy: Path, monkeypatch: pytest.Monke
         f"{kind}_0-shard_{r:05d}.safetensors" for kind in ("model", "optimizer") for r in (0, 1)
     ]
     assert net.state_dict()["0.weight"].shape == (24, 16)
+
+
+def test_state_dict_type_names_and_refusals() -> None:
+    from torch.distributed.fsdp import StateDictType
+
+    from kwplug.checkpoint import _dcp as dcp
+
+    assert dcp.state_dict_type(None) == "SHARDED_STATE_DICT"  # Accelerate 1.16's FSDP2 default
+    assert dcp.state_dict_type("full_state_dict") == "FULL_STATE_DICT"
+    assert dcp.state_dict_type(StateDictType.SHARDED_STATE_DICT) == "SHARDED_STATE_DICT"
+    assert dcp.state_dict_type("1") == "FULL_STATE_DICT"
+    for bad in ("LOCAL_STATE_DICT", StateDictType.LOCAL_STATE_DICT, 3.0, "sharded"):
+        with pytest.raises(ValueError, match="state_dict_type must be"):
+            dcp.state_dict_type(bad)
