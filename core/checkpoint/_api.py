@@ -196,8 +196,8 @@ def _read(
     later = {e.file for e in entries if _later(e)}
     later -= _held(entries, later & wanted & records.keys(), records)
     # Shard files are verified by their own entries (each rank a share), not all on rank 0.
-    own = {n for n in records if layout.is_own_file(n) and layout.sharded_prefix_of(n) is None}
-    names = sorted(own if main else wanted & records.keys())
+    listed = {n for n in records if layout.is_own_file(n) and layout.sharded_prefix_of(n) is None}
+    names = sorted(listed if main else wanted & records.keys())
     # Two files at a time (threads); shapes only for those decoded when loaded.
     files = [(directory / n, records[n], n in later or n not in wanted) for n in names]
     states: dict[str, Any] = dict(zip(names, reader.read_states(files), strict=True))
