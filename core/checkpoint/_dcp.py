@@ -294,7 +294,9 @@ class OptimizerShards(ShardedState):
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         optimizer = sharded.torch_optimizer(self.optimizer)
-        set_optimizer_state_dict(self.module, optimizer, state)
+        # A stateless optimizer's empty "state" has no leaf to flatten, so unflattening drops
+        # it, and torch would then take the dict for its own flattened format.
+        set_optimizer_state_dict(self.module, optimizer, {"state": {}, **state})
 
 
 def _owner(optimizer: torch.optim.Optimizer, modules: list[torch.nn.Module]) -> Any:
