@@ -278,7 +278,13 @@ def _figure(value: float | None, spec: str, unit: int = 1) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark (or, with ``--child``, one measurement); print the table."""
+    """Run the benchmark (or, with ``--child``, one measurement); print the table.
+    ``--sharded``: the sharded one (:mod:`benchmarks.checkpoint_sharded`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--sharded" in argv:
+        from benchmarks import checkpoint_sharded
+
+        return checkpoint_sharded.main([a for a in argv if a != "--sharded"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="64M,1G", help="model sizes, e.g. 64M,1G,4G")
     parser.add_argument("--optimizers", default="sgd,adam", help="sgd, adam or both")

@@ -199,6 +199,16 @@ class _SavingAPI:
             project_configuration=acc.project_configuration,
             run=self._checkpoint_run,
             arrivals=self._save_arrivals,
+            # How sharded models are saved: the wrapping plugin's state_dict_type, if any
+            # (pluggy's last-registered answers first, as wrap_model's first answer).
+            state_dict_type=next(
+                (
+                    kind
+                    for impl in reversed(plugins.hook_impls("wrap_model"))
+                    if (kind := getattr(impl.plugin, "state_dict_type", None)) is not None
+                ),
+                None,
+            ),
         )
 
     @property

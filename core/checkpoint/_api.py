@@ -14,6 +14,7 @@ import torch
 from kwplug.checkpoint import _checks as checks
 from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _commit as commit
+from kwplug.checkpoint import _dcp as dcp
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _links as links
 from kwplug.checkpoint import _lock as lock
@@ -128,6 +129,11 @@ def save_state(
             raise
         records: dict[str, tuple[int, str]] = {}
         for entry in entries:
+            if entry.scope == "sharded":  # every rank writes its own shards (_dcp.py)
+                written, failed = entry.target.save_into(staging)  # type: ignore[attr-defined]
+                records.update(written)
+                error = error or failed
+                continue
             if entry.scope == "main" and not main:
                 continue
             state = entry.target.state_dict()  # collective entries: on every rank
@@ -203,10 +209,13 @@ def _read(
     manifest's records."""
     records = manifest.read(directory)
     main = acc.is_main_process
+    shards = [e for e in entries if e.scope == "sharded"]  # verified by _dcp.py
+    entries = [e for e in entries if e.scope != "sharded"]
     wanted = {e.file for e in entries if e.scope != "collective" or main}
     for name in sorted(records):
         # Files save hooks wrote are the load hooks' (verified by prehooks.loading).
         own = layout.is_own_file(name) and not layout.is_rank_file(name)
+        own = own and layout.sharded_prefix_of(name) is None
         if own and name not in {e.file for e in entries}:
             raise CheckpointError(
                 f"{directory / name}: this run prepared no object for it (prepare the same "
@@ -220,7 +229,9 @@ def _read(
             )
     later = {e.file for e in entries if _later(e)}
     later -= _held(entries, later & wanted & records.keys(), records)
-    names = sorted(filter(layout.is_own_file, records) if main else wanted & records.keys())
+    # Shard files are verified by their own entries (each rank a share), not all on rank 0.
+    listed = {n for n in records if layout.is_own_file(n) and layout.sharded_prefix_of(n) is None}
+    names = sorted(listed if main else wanted & records.keys())
     # Two files at a time (threads); shapes only for those decoded when loaded.
     files = [(directory / n, records[n], n in later or n not in wanted) for n in names]
     states: dict[str, Any] = dict(zip(names, reader.read_states(files), strict=True))
@@ -231,6 +242,8 @@ def _read(
             states[entry.file] = (resize.adapt_optimizer(entry.target, state, modules), meta)
             _check(directory / entry.file, entry, *states[entry.file])
     kept = {e.file for e in entries if e.file in states and e.file in wanted}
+    for entry in shards:
+        entry.target.verify(directory, records)  # type: ignore[attr-defined]
     return {f: LATER if f in later else states[f][0] for f in kept}, records
 
 
@@ -306,6 +319,7 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
             links.repair(directory.parent, directory, records)
         solo = manifest.main_only(directory)  # saved by the main process alone: rank_0 only
         entries = resize.rank_entries(entries, records, acc.num_processes, solo)
+        entries = dcp.match_saved(acc, entries, records)  # shards or full
         entries = prehooks.loading(acc, entries, directory)  # the user's load hooks
         states, records = _read(acc, directory, entries)
     except CheckpointError as exc:
@@ -316,6 +330,12 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
     if others:
         raise CheckpointError(f"another rank refused {directory}: {others[0]}", directory)
     for entry in entries:  # verified on every rank: from here on, load
+        if entry.scope == "sharded":  # a collective: every rank, even after a refusal
+            try:
+                entry.target.load_from(directory, records)  # type: ignore[attr-defined]
+            except CheckpointError as exc:
+                error = error or exc
+            continue
         if not (entry.file in states or entry.scope == "collective" or entry.sparse):
             continue
         if error is not None and entry.scope != "collective":

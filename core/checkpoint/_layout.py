@@ -10,6 +10,14 @@ A checkpoint directory ``DIR`` (which may hold anything else too)::
         optimizer_<i>.safetensors   each prepared optimizer's state dict (rank 0)
         scaler.safetensors          the GradScaler (rank 0, fp16 only)
         custom_<i>.safetensors      objects given to register_for_checkpointing (rank 0)
+        model_<i>-shard_<r>.safetensors  a sharded model saved as SHARDED_STATE_DICT, in
+                                    place of model_<i>.safetensors (torch.distributed.
+                                    checkpoint, _dcp.py): the local shards rank r wrote,
+                                    each with its offsets in the header (r: 5 digits)
+        model_<i>-other.state       its non-tensor entries (rank 0; JSON in a safetensors
+                                    file without tensors)
+        optimizer_<i>-shard_<r>.safetensors, optimizer_<i>-other.state
+                                    its optimizer, the same way (other: param_groups)
         rank_<r>.safetensors        per rank: RNG states, data loader positions, states
                                     attached by wrapper plugins (communication hooks),
                                     plugins' handler_state
@@ -45,7 +53,9 @@ _TRASH = re.compile(r"\.kwplug-trash-(\d{8})-\d+")
 _OWN_FILE = re.compile(
     r"(model|optimizer|custom|rank|accumulation)_\d+\.safetensors|scaler\.safetensors"
     r"|MANIFEST\.json|COMPLETE|\.COMPLETE\.tmp"
+    r"|(model|optimizer)_\d+-(shard_\d{5}\.safetensors|other\.state)"
 )
+_SHARDED = re.compile(r"((model|optimizer)_\d+)-(shard_\d{5}\.safetensors|other\.state)")
 #: safetensors' ``save_file`` (0.8 and later) writes ``.tmp`` and six letters or digits beside
 #: its target and renames it into place: a save killed meanwhile leaves one behind.
 _WRITER_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
@@ -74,6 +84,34 @@ def rank_file(rank: int) -> str:
 def accumulation_file(rank: int) -> str:
     """File of process ``rank``'s unfinished gradient accumulation."""
     return f"accumulation_{rank}.safetensors"
+
+
+def sharded_prefix(kind: str, index: int) -> str:
+    """What the files of the ``index``-th model's or optimizer's shards start with
+    (``kind``: ``"model"`` or ``"optimizer"``)."""
+    return f"{kind}_{index}"
+
+
+def shard_file(prefix: str, rank: int) -> str:
+    """File of the local shards rank ``rank`` wrote of the state ``prefix`` names."""
+    return f"{prefix}-shard_{rank:05d}.safetensors"
+
+
+def other_file(prefix: str) -> str:
+    """File of the non-tensor entries of the sharded state ``prefix`` names."""
+    return f"{prefix}-other.state"
+
+
+def sharded_prefix_of(name: str) -> str | None:
+    """The prefix (``model_<i>``, ``optimizer_<i>``) of a sharded state's file ``name``, or
+    ``None`` for any other name."""
+    match = _SHARDED.fullmatch(name)
+    return match.group(1) if match else None
+
+
+def is_shard_file(name: str) -> bool:
+    """True for the name of a file of local shards (``<prefix>-shard_<r>.safetensors``)."""
+    return name.endswith(".safetensors") and sharded_prefix_of(name) is not None
 
 
 def is_rank_file(name: str) -> bool:

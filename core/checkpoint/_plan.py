@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
+from kwplug.checkpoint import _dcp as dcp
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _sharded as sharded
 from kwplug.checkpoint._accumulation import PendingAccumulation
@@ -23,8 +24,10 @@ if TYPE_CHECKING:
     from kwplug.checkpoint._sources import CheckpointSources
 
 #: ``main``: rank 0 saves and loads it; ``collective``: every rank takes part, rank 0 writes
-#: the file and reads it (the others get ``{}``); ``each``: every rank its own file.
-Scope = Literal["main", "collective", "each"]
+#: the file and reads it (the others get ``{}``); ``each``: every rank its own file;
+#: ``sharded``: every rank writes and reads its own shards (:mod:`kwplug.checkpoint._dcp`:
+#: ``file`` is the prefix of the state's files).
+Scope = Literal["main", "collective", "each", "sharded"]
 
 
 @attrs.frozen
@@ -50,14 +53,26 @@ def entries(sources: CheckpointSources) -> list[Entry]:
     modules = acc.modules()
     owners = sharded.optimizer_owners(modules, acc.optimizers)
     plan: list[Entry] = []
+    shards = dcp.state_dict_type(acc.state_dict_type) == dcp.SHARDED
     for i, module in enumerate(modules):
-        if sharded.is_sharded(module):
+        if sharded.is_sharded(module) and shards:
+            kind = qualified_name(module)
+            plan.append(
+                Entry(
+                    layout.sharded_prefix("model", i), dcp.ModelShards(i, module), "sharded", kind
+                )
+            )
+        elif sharded.is_sharded(module):
             target: Stateful = ShardedModelState(module)
             plan.append(Entry(layout.model_file(i), target, "collective", qualified_name(module)))
         else:
             plan.append(Entry(layout.model_file(i), module, "main", qualified_name(module)))
     for i, optimizer in enumerate(acc.optimizers):
-        if i in owners:
+        if i in owners and shards:
+            target = dcp.OptimizerShards(i, owners[i], optimizer)
+            kind = qualified_name(optimizer)
+            plan.append(Entry(layout.sharded_prefix("optimizer", i), target, "sharded", kind))
+        elif i in owners:
             target = ShardedOptimizerState(owners[i], optimizer)
             file = layout.optimizer_file(i)
             plan.append(Entry(file, target, "collective", qualified_name(optimizer)))

@@ -91,7 +91,7 @@ def full_optimizer_state(
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     options = _options(cpu_offload=True)
-    return dict(get_optimizer_state_dict(module, _torch_optimizer(optimizer), options=options))
+    return dict(get_optimizer_state_dict(module, torch_optimizer(optimizer), options=options))
 
 
 def load_full_model(module: torch.nn.Module, state: dict[str, Any]) -> None:
@@ -117,14 +117,16 @@ def load_full_optimizer(
     if dist.is_initialized():
         dist.broadcast_object_list(shared, src=0)
     if shared[0] is not None:
-        groups = _torch_optimizer(optimizer).param_groups
+        groups = torch_optimizer(optimizer).param_groups
         for live, saved in zip(groups, shared[0], strict=True):
             live.update({k: v for k, v in saved.items() if k != "params"})
         return
     options = _options(broadcast_from_rank0=True)
-    set_optimizer_state_dict(module, _torch_optimizer(optimizer), state, options=options)
+    set_optimizer_state_dict(module, torch_optimizer(optimizer), state, options=options)
 
 
-def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside a prepared one (what ``torch.distributed.checkpoint``'s
+    ``get/set_optimizer_state_dict`` take)."""
     # torch.distributed.checkpoint works on the optimizer itself, not on the scaler's wrapper.
     return optimizer.optimizer if isinstance(optimizer, ScaledOptimizer) else optimizer

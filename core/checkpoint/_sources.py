@@ -75,6 +75,10 @@ class CheckpointSources:
         exact_data_position: a load restores the prepared loaders' mid-epoch positions
             (``load_state(..., exact_data_position=True)``); else they start the saved epoch
             at batch 0, as Accelerate's (:mod:`kwplug.checkpoint._position`).
+        state_dict_type: how sharded models are saved, as the plugin that sharded them
+            says (its ``state_dict_type``): ``"SHARDED_STATE_DICT"`` (each rank its shards,
+            :mod:`kwplug.checkpoint._dcp`; ``None`` means it, Accelerate's FSDP2 default) or
+            ``"FULL_STATE_DICT"`` (gathered to rank 0, :mod:`kwplug.checkpoint._sharded`).
     """
 
     models: tuple[torch.nn.Module, ...]
@@ -96,6 +100,7 @@ class CheckpointSources:
     arrivals: SaveArrivals = attrs.field(factory=SaveArrivals)
     solo: bool = False
     exact_data_position: bool = False
+    state_dict_type: Any = None
 
     @property
     def is_main_process(self) -> bool:

@@ -397,10 +397,15 @@ def test_two_process_checkpoint_resumes_exactly(
     for rank in (rank[mixed_precision] for rank in ranks):
         assert rank["got"] == rank["expected"]
         assert rank["same_weights"]
-    # The model file is a plain, unsharded safetensors state dict: loadable without FSDP.
+    # Each rank wrote its own shards (SHARDED_STATE_DICT, the default) as a plain safetensors
+    # file: together they hold every row of every parameter.
     version = checkpoint.resolve_checkpoint(directory / mixed_precision)
     assert version is not None
-    make_model().load_state_dict(safetensors.torch.load_file(version / "model_0.safetensors"))
+    shards = [
+        safetensors.torch.load_file(version / f"model_0-shard_{r:05d}.safetensors") for r in (0, 1)
+    ]
+    for name, tensor in make_model().state_dict().items():
+        assert sum(s[name].shape[0] for s in shards if name in s) == tensor.shape[0], name
 
 
 def test_digits_example_with_config(kwplug_plugins: PluginSandbox) -> None:

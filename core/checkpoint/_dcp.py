@@ -1,0 +1,360 @@
+"""Sharded checkpoints (``SHARDED_STATE_DICT``): each rank writes and reads its own shards
+through ``torch.distributed.checkpoint``.
+
+A sharded model (``DTensor`` parameters: FSDP2) and its optimizer are saved as torch's
+sharded state dicts (``torch.distributed.checkpoint.state_dict.get_model_state_dict`` /
+``get_optimizer_state_dict``, default ``StateDictOptions``: each rank's ``DTensor`` shards,
+keyed by parameter name), flattened (``flatten_state_dict``), split into their tensors, saved
+by ``torch.distributed.checkpoint.save`` with ``DefaultSavePlanner`` into kwplug's staged
+version folder through :class:`kwplug.checkpoint._dcp_storage.ShardWriter` (one streamed
+safetensors file per rank, no pickle), and their other entries (the optimizer's
+``param_groups``) stored as JSON by rank 0 (:mod:`kwplug.checkpoint._codec`). Loading
+verifies every file against the manifest (the ranks share the hashing: rank ``r`` hashes every
+``world_size``-th file), then ``torch.distributed.checkpoint.load`` with
+``DefaultLoadPlanner`` reads each rank's part of every tensor through torch's
+``HuggingFaceStorageReader`` (:class:`~kwplug.checkpoint._dcp_storage.ShardReader`), which
+rebuilds DCP's ``Metadata`` from the shards' headers: a checkpoint saved by any number of
+processes loads into any other, and into an unsharded model (whose full tensors DCP reads
+under the same names), exactly. ``set_model_state_dict`` / ``set_optimizer_state_dict``
+then restore the live objects. Every method that saves or loads is a collective.
+
+``FULL_STATE_DICT`` (:mod:`kwplug.checkpoint._sharded`, gathered to rank 0) stays for small
+models and export; the plugin that sharded the model selects it (its ``state_dict_type``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kwplug.checkpoint import _codec as codec
+from kwplug.checkpoint import _layout as layout
+from kwplug.checkpoint import _reader as reader
+from kwplug.checkpoint import _sharded as sharded
+from kwplug.checkpoint._checks import qualified_name
+from kwplug.checkpoint._stateful import ShardedModelState, ShardedOptimizerState
+from kwplug.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from kwplug.checkpoint._plan import Entry
+    from kwplug.checkpoint._sources import CheckpointSources
+
+SHARDED = "SHARDED_STATE_DICT"
+FULL = "FULL_STATE_DICT"
+
+
+def state_dict_type(value: Any) -> str:
+    """:data:`SHARDED` or :data:`FULL` for a plugin's ``state_dict_type`` (a name in any case,
+    torch's ``StateDictType`` member or its number as a string, as Accelerate's
+    ``FullyShardedDataParallelPlugin`` accepts); ``None`` is :data:`SHARDED`, Accelerate
+    1.16's default for ``fsdp_version=2``.
+
+    Raises:
+        ValueError: anything else (``LOCAL_STATE_DICT`` included: FSDP2 has none).
+    """
+    if value is None:
+        return SHARDED
+    name = getattr(value, "name", value)
+    name = {"1": FULL, "3": SHARDED}.get(name, name) if isinstance(name, str) else name
+    if isinstance(name, str) and name.upper() in (SHARDED, FULL):
+        return name.upper()
+    raise ValueError(
+        f"state_dict_type must be 'SHARDED_STATE_DICT' or 'FULL_STATE_DICT' (a name, or "
+        f"torch.distributed.fsdp.StateDictType), got {value!r}"
+    )
+
+
+def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    # The flattened state's tensors (DTensors too), its other entries, and how to unflatten.
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, mapping = flatten_state_dict(state)
+    tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    return tensors, {k: v for k, v in flat.items() if k not in tensors}, mapping
+
+
+def _verify(path: Path, record: tuple[int, str]) -> None:
+    # A file whose first bytes say pickle (or torch.save's zip) is named as one, never read
+    # further; any other is hashed in chunks against its manifest record.
+    fd = reader.open_regular(path, record[0])
+    try:
+        foreign = codec.foreign_format(os.pread(fd, 16, 0), record[0])
+    finally:
+        os.close(fd)
+    if foreign is not None:
+        raise CheckpointError(f"{path}: {foreign}", path)
+    reader.verify(path, record)
+
+
+@contextlib.contextmanager
+def _one_process(world: int) -> Iterator[None]:
+    # DCP warns that it "assumes the intent" of a one-process save or load: it is kwplug's.
+    with warnings.catch_warnings():
+        if world == 1:
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _rank() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class ShardedState:
+    """One model's (or its optimizer's) state saved as shards: the ``sharded`` entries of
+    :func:`kwplug.checkpoint._plan.entries` (collectives: every rank, in the same order)."""
+
+    def __init__(self, prefix: str, kind: str) -> None:
+        self.prefix, self.kind = prefix, kind
+        self._other: dict[str, Any] | None = None  # what verify() read of other.state
+
+    def live_state(self) -> dict[str, Any]:
+        """torch's sharded state dict of the live object (its tensors are the live ones)."""
+        raise NotImplementedError
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore ``state`` (as :meth:`live_state` returns it) into the live object."""
+        raise NotImplementedError
+
+    def check_saved(self, metadata: Any, path: Path) -> None:
+        """Refuse saved tensors (DCP ``Metadata``) that do not fit (before any load)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``Stateful`` protocol: :meth:`live_state`."""
+        return self.live_state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``Stateful`` protocol: :meth:`set_state`."""
+        self.set_state(state_dict)
+
+    def save_into(self, staging: Path) -> tuple[dict[str, tuple[int, str]], str | None]:
+        """Write this rank's shards (and, on rank 0, the other entries) into ``staging``.
+
+        Returns:
+            ``{file name: (size, sha256)}`` of what this rank wrote, and an error message or
+            ``None`` (every rank gets DCP's error: ``save`` gathers them).
+        """
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        from kwplug.checkpoint._dcp_storage import ShardWriter
+
+        rank, world = _rank()
+        tensors, other, _ = _split(self.live_state())
+        writer = ShardWriter(staging, self.prefix, rank, self.kind)
+        try:
+            with _one_process(world):
+                save(
+                    tensors, storage_writer=writer, planner=DefaultSavePlanner(), no_dist=world == 1
+                )
+        except Exception as exc:  # DCP's CheckpointException carries every rank's failure
+            return {}, f"writing the shards of {self.prefix} into {staging} failed: {exc}"
+        records = dict(writer.records)
+        if rank == 0:
+            name = layout.other_file(self.prefix)
+            try:
+                records[name] = codec.write_state(staging / name, other, {"class": self.kind})
+            except (OSError, TypeError) as exc:
+                return records, f"writing {staging / name} failed: {exc}"
+        return records, None
+
+    def files(self, records: dict[str, Any]) -> list[str]:
+        """This state's shard files among the manifest's ``records``."""
+        return sorted(
+            n for n in records if layout.is_shard_file(n) and n.startswith(f"{self.prefix}-")
+        )
+
+    def verify(self, directory: Path, records: dict[str, tuple[int, str]]) -> None:
+        """Verify this rank's share of the files against the manifest, read the other entries
+        and check the saved tensors' names, shapes and dtypes (nothing is loaded).
+
+        Raises:
+            CheckpointError: a file is missing, altered, not a safetensors file (a pickle is
+                named as one and never read), or the saved state does not fit.
+        """
+        rank, world = _rank()
+        other = layout.other_file(self.prefix)
+        if other not in records:
+            raise CheckpointError(f"{directory / other} is missing from the checkpoint")
+        names = self.files(records)
+        for name in names[rank::world]:
+            _verify(directory / name, records[name])
+        state, _ = reader.read_state(directory / other, records[other])
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{directory / other} does not hold a state's entries")
+        self._other = state
+        from kwplug.checkpoint._dcp_storage import ShardReader
+
+        try:
+            metadata = ShardReader([directory / n for n in names]).read_metadata()
+        except Exception as exc:  # safetensors' error: a header it cannot parse
+            raise CheckpointError(f"the shards of {self.prefix} in {directory}: {exc}") from exc
+        self.check_saved(metadata, directory / self.prefix)
+
+    def load_from(self, directory: Path, records: dict[str, Any]) -> None:
+        """Read this rank's part of every saved tensor into the live object (after
+        :meth:`verify`; a collective).
+
+        Raises:
+            CheckpointError: the saved state lacks a live entry, or holds other non-tensor
+                entries (every rank raises together: DCP gathers the errors).
+        """
+        from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        from kwplug.checkpoint._dcp_storage import ShardReader
+
+        tensors, other, mapping = _split(self.live_state())
+        saved = self._other if self._other is not None else {}
+        if set(saved) != set(other):
+            missing = sorted(set(other) - set(saved)) or sorted(set(saved) - set(other))
+            raise CheckpointError(
+                f"{directory / self.prefix}: the saved entries differ from this run's "
+                f"({missing[:3]} ...): prepare the same objects as the run that saved it"
+            )
+        files = [directory / n for n in self.files(records)]
+        try:
+            world = _rank()[1]
+            with _one_process(world):
+                load(
+                    tensors,
+                    storage_reader=ShardReader(files),
+                    planner=DefaultLoadPlanner(),
+                    no_dist=world == 1,
+                )
+        except Exception as exc:  # DCP's CheckpointException: every rank's failure
+            raise CheckpointError(f"loading {directory / self.prefix} failed: {exc}") from exc
+        self.set_state(unflatten_state_dict({**tensors, **saved}, mapping))
+        self._other = None
+
+
+class ModelShards(ShardedState):
+    """A model as torch's sharded state dict (plain tensors for an unsharded model)."""
+
+    def __init__(self, index: int, module: torch.nn.Module) -> None:
+        super().__init__(layout.sharded_prefix("model", index), qualified_name(module))
+        self.module = module
+
+    def live_state(self) -> dict[str, Any]:
+        """``get_model_state_dict(module)``."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """``set_model_state_dict(module, state)`` (strict)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.module, state)
+
+    def check_saved(self, metadata: Any, path: Path) -> None:
+        """Refuse saved tensors whose names, full shapes or dtypes differ from the model's."""
+        tensors, _, _ = _split(self.live_state())
+        saved = metadata.state_dict_metadata
+        for name in sorted(set(tensors) ^ set(saved)):
+            where = "the model has no" if name in saved else "the checkpoint lacks"
+            raise CheckpointError(f"{path}: {where} tensor {name!r}", path)
+        for name, tensor in tensors.items():
+            size, dtype = saved[name].size, saved[name].properties.dtype
+            if tuple(size) != tuple(tensor.shape) or dtype != tensor.dtype:
+                raise CheckpointError(
+                    f"{path}: {name!r} was saved as {tuple(size)} {dtype}, the model's is "
+                    f"{tuple(tensor.shape)} {tensor.dtype}",
+                    path,
+                )
+
+
+class OptimizerShards(ShardedState):
+    """An optimizer of one model as torch's sharded optimizer state dict (by parameter name)."""
+
+    def __init__(
+        self, index: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        super().__init__(layout.sharded_prefix("optimizer", index), qualified_name(optimizer))
+        self.module, self.optimizer = module, optimizer
+
+    def live_state(self) -> dict[str, Any]:
+        """``get_optimizer_state_dict(module, optimizer)`` (its state is created if empty)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        optimizer = sharded.torch_optimizer(self.optimizer)
+        return dict(get_optimizer_state_dict(self.module, optimizer))
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """``set_optimizer_state_dict(module, optimizer, state)``."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        optimizer = sharded.torch_optimizer(self.optimizer)
+        # A stateless optimizer's empty "state" has no leaf to flatten, so unflattening drops
+        # it, and torch would then take the dict for its own flattened format.
+        set_optimizer_state_dict(self.module, optimizer, {"state": {}, **state})
+
+
+def _owner(optimizer: torch.optim.Optimizer, modules: list[torch.nn.Module]) -> Any:
+    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    return next((m for m in modules if any(p is first for p in m.parameters())), None)
+
+
+def match_saved(
+    sources: CheckpointSources, entries: list[Entry], records: dict[str, Any]
+) -> list[Entry]:
+    """``entries`` with each model and optimizer read the way the checkpoint holds it: the
+    shards of a sharded save into any live model (sharded or not: DCP reshards), a full
+    state file into a sharded model (gathered on rank 0, broadcast: a plain run's save).
+
+    Raises:
+        CheckpointError: the checkpoint holds shards of a state this run did not prepare.
+    """
+    from kwplug.checkpoint._plan import Entry
+
+    saved = {p for n in records if (p := layout.sharded_prefix_of(n)) is not None}
+    modules = sources.modules()
+    out: list[Entry] = []
+    for entry in entries:
+        target = entry.target
+        if isinstance(target, ShardedState) and target.prefix not in saved:
+            full = f"{target.prefix}.safetensors"
+            if full in records:  # a plain (or FULL_STATE_DICT) save into a sharded model
+                if isinstance(target, OptimizerShards):
+                    state: Any = ShardedOptimizerState(target.module, target.optimizer)
+                else:
+                    assert isinstance(target, ModelShards)
+                    state = ShardedModelState(target.module)
+                entry = Entry(full, state, "collective", entry.kind)
+        elif entry.file.endswith(".safetensors") and entry.file[: -len(".safetensors")] in saved:
+            prefix = entry.file[: -len(".safetensors")]
+            index = int(prefix.rsplit("_", 1)[1])
+            if isinstance(target, ShardedModelState | torch.nn.Module) and prefix.startswith(
+                "model"
+            ):
+                module = target.module if isinstance(target, ShardedModelState) else target
+                entry = Entry(prefix, ModelShards(index, module), "sharded", entry.kind)
+            elif isinstance(target, ShardedOptimizerState | torch.optim.Optimizer):
+                optimizer = (
+                    target.optimizer if isinstance(target, ShardedOptimizerState) else target
+                )
+                owner = (
+                    target.module
+                    if isinstance(target, ShardedOptimizerState)
+                    else _owner(optimizer, modules)
+                )
+                if owner is not None:
+                    shards = OptimizerShards(index, owner, optimizer)
+                    entry = Entry(prefix, shards, "sharded", entry.kind)
+        out.append(entry)
+    planned = {e.target.prefix for e in out if isinstance(e.target, ShardedState)}
+    for prefix in sorted(saved - planned):
+        raise CheckpointError(
+            f"the checkpoint holds the shards of {prefix}: this run prepared no object for "
+            "them (prepare the same models and optimizers as the run that saved it)"
+        )
+    return out
