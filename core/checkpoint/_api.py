@@ -57,7 +57,7 @@ def _solo_entries(
     # A save by the main process alone: a sharded model's (or its optimizer's) state is
     # gathered from every rank's shards, which the other ranks, not in save_state, never send.
     for entry in entries:
-        if entry.scope == "collective":
+        if entry.scope in ("collective", "sharded"):  # gathered, or each rank's own shards
             raise CheckpointError(
                 f"save_state into {directory} on the main process alone (the other processes "
                 f"did not call it): {entry.kind} ({entry.file}) is sharded (DTensor, FSDP2) "
