@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from kwplug.comm_hooks import CommHook
-    from kwplug.hookspecs import AutocastFactory
+    from kwplug.hookspecs import AutocastFactory, DeviceChoice
     from kwplug.precision import LossScaler
     from kwplug.tracking import TrackerFactory
 
@@ -126,6 +126,13 @@ class FirstRelay:
         """Ask ``sync_in_backward`` (see
         :meth:`kwplug.hookspecs.HandlerSpec.sync_in_backward`)."""
         answer: AbstractContextManager[Any] | None = self._ask("sync_in_backward", {"model": model})
+        return answer
+
+    def select_device(self, *, cpu: bool, local_rank: int, world_size: int) -> DeviceChoice | None:
+        """Ask ``select_device`` (see :meth:`kwplug.hookspecs.HandlerSpec.select_device`)."""
+        answer: DeviceChoice | None = self._ask(
+            "select_device", {"cpu": cpu, "local_rank": local_rank, "world_size": world_size}
+        )
         return answer
 
 

@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kwplug.validators",
             "kwplug.handler",
             "kwplug.hookspecs",
+            "kwplug._hookinfo",
             "kwplug.precision",
             "kwplug.comm_hooks",
             "kwplug.tracking",
