@@ -19,12 +19,24 @@ steps of ``accumulate()`` that skip gradient synchronisation and ``sync_in_backw
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import attrs
 import pluggy
+
+from kwplug._answers import AutocastFactory, DeviceChoice
+from kwplug._hookinfo import (
+    ADDITIVE,
+    EVERY,
+    INFO,
+    ONE_ANSWER,
+    PER_PLUGIN,
+    PROJECT_NAME,
+    HookInfo,
+    hookspec,
+    spec,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -33,82 +45,25 @@ if TYPE_CHECKING:
     from kwplug.precision import LossScaler
     from kwplug.tracking import TrackerFactory
 
-PROJECT_NAME = "kwplug"
+__all__ = [  # the policies and the decorator live in kwplug._hookinfo; this is their face
+    "ADDITIVE",
+    "EVERY",
+    "HOOKS",
+    "HOOK_POLICY",
+    "ONE_ANSWER",
+    "PER_PLUGIN",
+    "PROJECT_NAME",
+    "AutocastFactory",
+    "DeviceChoice",
+    "HandlerSpec",
+    "HookInfo",
+    "hook_infos",
+    "hookimpl",
+    "hookspec",
+    "spec",
+]
 
-hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
-
-AutocastFactory = Callable[[], AbstractContextManager[Any]]
-
-#: How the answers of several plugins to one hook combine (checked when an ``Accelerator`` is
-#: built). ``ONE_ANSWER``: the first non-``None`` answer wins, and two third-party defaults
-#: claiming the hook for the same device are an error. ``ADDITIVE``: every
-#: answer is merged; a name given twice is an error naming both sources. ``PER_PLUGIN``: each
-#: plugin's answer is kept apart, under the plugin's registered name. ``EVERY``: every plugin is
-#: called, and raising rejects.
-ONE_ANSWER = "one answer per device"
-ADDITIVE = "additive, unique names"
-PER_PLUGIN = "per plugin"
-EVERY = "every plugin (raising rejects)"
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-@attrs.frozen
-class HookInfo:
-    """What kwplug knows about one hook spec, declared once by :func:`spec`.
-
-    Attributes:
-        name: the hook name, e.g. ``"autocast"``.
-        policy: how several plugins' answers combine: :data:`ONE_ANSWER`, :data:`ADDITIVE`,
-            :data:`PER_PLUGIN` or :data:`EVERY`.
-        pure: calling the hook has no side effect, so ``kwplug plugins --explain`` calls it to
-            show what would reach torch.
-    """
-
-    name: str
-    policy: str
-    pure: bool = False
-
-    @property
-    def firstresult(self) -> bool:
-        """Whether pluggy stops at the first non-``None`` answer (one-answer hooks)."""
-        return self.policy == ONE_ANSWER
-
-    @property
-    def setup(self) -> bool:
-        """Whether the hook builds something an Accelerator uses (one answer, or additive),
-        as opposed to validating or checkpointing; ``kwplug plugins --explain`` lists these."""
-        return self.policy in (ONE_ANSWER, ADDITIVE)
-
-
-def spec(policy: str, *, pure: bool = False) -> Callable[[_F], _F]:
-    """Declare a method of :class:`HandlerSpec` a hook spec, with its combination policy.
-
-    The one place a hook's metadata is written: pluggy's ``firstresult`` follows from
-    ``policy`` (true for :data:`ONE_ANSWER`), and :data:`HOOKS`, :data:`HOOK_POLICY`, the
-    conflict check and ``kwplug plugins --explain`` read it back.
-
-    Args:
-        policy: :data:`ONE_ANSWER`, :data:`ADDITIVE`, :data:`PER_PLUGIN` or :data:`EVERY`.
-        pure: calling the hook has no side effect (see :attr:`HookInfo.pure`); default false.
-
-    Raises:
-        ValueError: ``policy`` is not one of the four.
-    """
-    if policy not in (ONE_ANSWER, ADDITIVE, PER_PLUGIN, EVERY):
-        raise ValueError(f"unknown hook policy {policy!r}")
-
-    def mark(function: _F) -> _F:
-        info = HookInfo(function.__name__, policy, pure)
-        setattr(function, _INFO, info)
-        marked: _F = hookspec(firstresult=info.firstresult)(function)
-        return marked
-
-    return mark
-
-
-_INFO = f"{PROJECT_NAME}_hook_info"
 
 
 class HandlerSpec:
@@ -380,14 +335,36 @@ class HandlerSpec:
         as Accelerate compiles last. ``firstresult``: yes.
         """
 
+    # -- the device (issue 29) ------------------------------------------------------------
+
+    @spec(ONE_ANSWER)
+    def select_device(self, cpu: bool, local_rank: int, world_size: int) -> DeviceChoice | None:
+        """Choose the device this process trains on, or return ``None``.
+
+        Args:
+            cpu: ``True`` when the CPU is forced (``Accelerator(cpu=True)`` or
+                ``ACCELERATE_USE_CPU``); a device plugin then declines.
+            local_rank: ``LOCAL_RANK`` of this process on its node (0 when not distributed).
+            world_size: ``WORLD_SIZE`` (1 when not distributed).
+
+        Returns:
+            A :class:`DeviceChoice` (device type and index, ``distributed_type``), or ``None``
+            for "not mine". If no plugin answers, the built-in choice applies: the CPU when
+            forced, else ``torch.accelerator``'s current accelerator (CUDA, XPU, MPS...) with
+            index ``local_rank`` modulo its device count, made current; else the CPU.
+
+        Called by: ``Accelerator.__init__`` (and ``kwplug.state.PartialState``) once, before
+        the process group is created. ``firstresult``: yes.
+        """
+
 
 def hook_infos() -> dict[str, HookInfo]:
     """Every hook spec's :class:`HookInfo`, by name, in the order :class:`HandlerSpec`
     declares them."""
     return {
-        name: getattr(member, _INFO)
+        name: getattr(member, INFO)
         for name, member in vars(HandlerSpec).items()
-        if hasattr(member, _INFO)
+        if hasattr(member, INFO)
     }
 
 

@@ -32,6 +32,7 @@ from kwplug._environment import ProcessInfo, end_process_group, select_device
 from kwplug._runtime import (
     Ranks,
     assign_distributed_type,
+    choose_device,
     forget_accelerator,
     init_process_group,
     live_accelerator,
@@ -80,13 +81,17 @@ class PartialState(Ranks):
                 "takes process-group options from InitProcessGroupKwargs (pass it to Accelerator)"
             )
         info = ProcessInfo.current()
-        self.device: torch.device = select_device(cpu, info.local_rank)
-        if info.world_size > 1 and not dist.is_initialized():
-            # As an Accelerator does: the plugins' init_process_group hook, through the manager
-            # an Accelerator without handlers has (the plugins load only here).
-            from kwplug._plugins import discover, manager_for
+        # As an Accelerator does: the plugins' select_device and init_process_group hooks,
+        # through the manager an Accelerator without handlers has.
+        from kwplug._plugins import discover, manager_for
 
-            info = init_process_group(manager_for([], discover()), info, self.device.type)
+        plugins = manager_for([], discover())
+        chosen = choose_device(plugins, cpu, info)
+        self.device: torch.device = chosen.device
+        self._declared_type = chosen.distributed_type
+        self._device_plugin = chosen.plugin
+        if info.world_size > 1 and not dist.is_initialized():
+            info = init_process_group(plugins, info, self.device.type)
         self.num_processes = info.world_size
         self.process_index = info.rank
         self.local_process_index = info.local_rank
@@ -106,8 +111,11 @@ class PartialState(Ranks):
 
     @property
     def distributed_type(self) -> DistributedType:
-        """``NO`` in one process, else data parallelism's type for the device
-        (``MULTI_CPU``, ``MULTI_GPU``...)."""
+        """What the ``select_device`` plugin declared for its device, else ``NO`` in one
+        process, else data parallelism's type for the device (``MULTI_CPU``, ``MULTI_GPU``...)."""
+        declared: DistributedType | None = getattr(self, "_declared_type", None)
+        if declared is not None:
+            return declared
         return default_distributed_type(self.device.type, self.num_processes)
 
     @property
@@ -121,7 +129,10 @@ class PartialState(Ranks):
         return False
 
     def set_device(self) -> None:
-        """Make :attr:`device` the current device of its type (done at construction)."""
+        """Make :attr:`device` the current device of its type (done at construction; a
+        device a ``select_device`` plugin chose is its plugin's to make current)."""
+        if getattr(self, "_device_plugin", None) is not None:
+            return
         select_device(self.device.type == "cpu", self.local_process_index)
 
     def wait_for_everyone(self) -> None:

@@ -14,7 +14,8 @@ A hook asked a second time keeps its twins while its registered implementations 
 same (``register``/``unregister`` make new ones); a hook asked once keeps nothing. What a call
 records is kept per thread. When nothing watches the manager (no ``enable_tracing()``, no
 ``add_hookcall_monitoring()``, ``_hookexec`` not overridden) and the hook has no wrapper, the
-loop of pluggy's ``_multicall`` runs here over the implementations themselves, without twins.
+loop of pluggy's ``_multicall`` runs here over the implementations' public attributes, without
+twins (private names of pluggy used: ``tests/gates/test_pluggy_private.py`` lists them).
 The typed way in: :mod:`kwplug._plugins._relays` (``plugins.first.<hook>(...)``).
 
 Only construction, ``prepare()``, ``autocast(handler)``, ``profile()``, ``no_sync``,
@@ -96,6 +97,9 @@ class Manager(Protocol):
     def describe(self, name: str) -> str: ...
 
     def is_third_party(self, name: str) -> bool: ...
+
+    @property
+    def watched(self) -> bool: ...
 
     def _hookexec(
         self,
@@ -287,11 +291,12 @@ class HookCalls:
         return exc
 
     def _twins_of(self, hook: str) -> _Twins:
-        source: list[pluggy.HookImpl] = getattr(self._pm.hook, hook)._hookimpls
+        # pluggy's public copy of the registrations (a list of a few items: ~0.1 µs).
+        source: list[pluggy.HookImpl] = getattr(self._pm.hook, hook).get_hookimpls()
         twins = self._twins.get(hook)
         if twins is None or twins.source != source:  # HookImpl compares by identity
             if hook in self._twins:  # asked again: keep the twins for the next calls
-                twins = self._twins[hook] = _Twins(list(source))
+                twins = self._twins[hook] = _Twins(source)
             else:  # the first call (most hooks are asked once per Accelerator): nothing kept,
                 twins = _Twins(source)  # so that a discarded manager is little garbage
                 self._twins[hook] = None
@@ -351,15 +356,10 @@ _PLAIN_OPTS: pluggy.HookimplOpts = {
 }
 
 
-# pluggy's own executor: a manager whose _inner_hookexec is still this one is not traced.
-_MULTICALL: Any = getattr(pluggy.PluginManager(PER_CALL), "_inner_hookexec", None)
-
-
 def _watched(pm: Any) -> bool:
-    # Anything between _hookexec and pluggy's _multicall: tracing, monitoring, an override.
+    # Tracing or monitoring (counted by the manager), or _hookexec overridden.
     return (
-        _MULTICALL is None
-        or getattr(pm, "_inner_hookexec", None) is not _MULTICALL
+        pm.watched
         or type(pm)._hookexec is not pluggy.PluginManager._hookexec
         or "_hookexec" in vars(pm)
     )

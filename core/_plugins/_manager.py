@@ -73,6 +73,7 @@ class KwplugPluginManager(pluggy.PluginManager):
         self._descriptions: dict[str, str] = {}
         self._third_party: set[str] = set()
         self.plan: dict[str, Answer] = {}
+        self._monitors = 0  # add_hookcall_monitoring calls not undone (enable_tracing's too)
         self._calls = HookCalls(self)
         #: The one-answer hooks, by name: ``plugins.first.autocast(device_type=...)``.
         self.first = FirstRelay(self._calls.first)
@@ -96,6 +97,38 @@ class KwplugPluginManager(pluggy.PluginManager):
             opts = super().parse_hookimpl_opts(plugin, name)
             self._opts_cache[key] = opts
         return None if opts is None else cast(pluggy.HookimplOpts, dict(opts))
+
+    @property
+    def watched(self) -> bool:
+        """Whether tracing or monitoring is on (``enable_tracing``,
+        ``add_hookcall_monitoring``): hook calls then run through pluggy's ``_hookexec``."""
+        return self._monitors > 0
+
+    def add_hookcall_monitoring(
+        self,
+        before: Callable[[str, Sequence[pluggy.HookImpl], Mapping[str, Any]], None],
+        after: Callable[
+            [pluggy.Result[Any], str, Sequence[pluggy.HookImpl], Mapping[str, Any]], None
+        ],
+    ) -> Callable[[], None]:
+        """pluggy's ``add_hookcall_monitoring`` (``enable_tracing`` calls it too), counted so
+        that :attr:`watched` knows, without reading pluggy's private executor.
+
+        Returns:
+            The function that removes the monitoring (pluggy's ``undo``), once.
+        """
+        undo = super().add_hookcall_monitoring(before, after)
+        self._monitors += 1
+        done = False
+
+        def counted_undo() -> None:
+            nonlocal done
+            undo()
+            if not done:
+                done = True
+                self._monitors -= 1
+
+        return counted_undo
 
     # -- registration ------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from kwplug.comm_hooks import CommHook
-    from kwplug.hookspecs import AutocastFactory
+    from kwplug.hookspecs import AutocastFactory, DeviceChoice
     from kwplug.precision import LossScaler
     from kwplug.tracking import TrackerFactory
 
@@ -131,6 +131,13 @@ class FirstRelay:
     def compile_model(self, *, model: torch.nn.Module) -> torch.nn.Module | None:
         """Ask ``compile_model`` (see :meth:`kwplug.hookspecs.HandlerSpec.compile_model`)."""
         answer: torch.nn.Module | None = self._ask("compile_model", {"model": model})
+        return answer
+
+    def select_device(self, *, cpu: bool, local_rank: int, world_size: int) -> DeviceChoice | None:
+        """Ask ``select_device`` (see :meth:`kwplug.hookspecs.HandlerSpec.select_device`)."""
+        answer: DeviceChoice | None = self._ask(
+            "select_device", {"cpu": cpu, "local_rank": local_rank, "world_size": world_size}
+        )
         return answer
 
 

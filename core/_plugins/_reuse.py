@@ -18,8 +18,10 @@ implementations are not plain methods of the instance (static or class methods, 
 stored on an instance) is never templated: it is built the pluggy way every time.
 
 This copies pluggy's registration state (``HookCaller._hookimpls``, ``_name2plugin``), as
-``_calls`` already uses ``PluginManager._hookexec``; ``tests/test_setup_reuse.py`` checks that
-a copy equals a fresh build.
+``_calls`` already uses ``PluginManager._hookexec``: private names that
+``tests/gates/test_pluggy_private.py`` lists and checks against the installed pluggy (whose
+range ``pyproject.toml`` bounds); ``tests/plugin_system/test_setup_reuse.py`` checks that a
+copy equals a fresh build.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ imports this package and the Accelerator, the Accelerator imports this package, 
 here imports either (``tests/gates/test_layers.py``).
 
 - ``_ranks``: :class:`Ranks`, the rank predicates and "which process runs what"; the barrier.
+- ``_device``: the device, from the plugins' ``select_device`` hook or the built-in choice.
 - ``_group``: process-group set-up through the plugins' ``init_process_group`` hook.
 - ``_live``: the live Accelerator that Accelerate's process-wide views describe.
 - ``_forward``: the mixed-precision forward ``prepare`` installs, and its removal.
@@ -14,6 +15,7 @@ here imports either (``tests/gates/test_layers.py``).
 
 from __future__ import annotations
 
+from kwplug._runtime._device import Device, choose_device
 from kwplug._runtime._forward import apply_mixed_precision, remove_mixed_precision
 from kwplug._runtime._group import destroy_process_group_at_exit, init_process_group
 from kwplug._runtime._live import (
@@ -34,10 +36,12 @@ from kwplug._runtime._ranks import (
 from kwplug._runtime._unwrap import unwrap
 
 __all__ = [
+    "Device",
     "Ranks",
     "apply_mixed_precision",
     "assign_distributed_type",
     "assigned_distributed_type",
+    "choose_device",
     "decorated",
     "destroy_process_group_at_exit",
     "forget_accelerator",

@@ -134,14 +134,19 @@ class _DataAndProcessAPI(Ranks):
     def distributed_type(self) -> DistributedType:
         """``NO`` (one process), ``MULTI_CPU``/``MULTI_GPU``/... (data parallel), or ``FSDP``
         when a handler declares it (class attribute ``distributed_type``) or a prepared model
-        is sharded (FSDP1/FSDP2 module, ``DTensor`` parameters); or the value assigned to
+        is sharded (FSDP1/FSDP2 module, ``DTensor`` parameters); else the one the
+        ``select_device`` plugin declared for its device; or the value assigned to
         ``accelerator.state.distributed_type`` (as Accelerate's shared state allows: it
         changes what is reported, not how anything trains)."""
         assigned = assigned_distributed_type(self)
         if assigned is not None:
             return assigned
         return _process.distributed_type(
-            self.device, self.num_processes, self._setup.handlers, self._prepared.models
+            self.device,
+            self.num_processes,
+            self._setup.handlers,
+            self._prepared.models,
+            self._setup.chosen.distributed_type,
         )
 
     @property

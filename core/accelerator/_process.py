@@ -13,11 +13,16 @@ from kwplug.utils.dataclasses import DistributedType, default_distributed_type
 
 
 def distributed_type(
-    device: torch.device, num_processes: int, handlers: Iterable[Any], models: Iterable[Any]
+    device: torch.device,
+    num_processes: int,
+    handlers: Iterable[Any],
+    models: Iterable[Any],
+    declared_by_device: DistributedType | None = None,
 ) -> DistributedType:
     """``FSDP`` when a handler declares it (a ``distributed_type`` class attribute) or a
-    prepared model is sharded (FSDP1 wrapper, FSDP2 module, ``DTensor`` parameters); else
-    plain data parallelism's type for the device
+    prepared model is sharded (FSDP1 wrapper, FSDP2 module, ``DTensor`` parameters); else what
+    the device's ``select_device`` plugin declared (``declared_by_device``); else plain data
+    parallelism's type for the device
     (:func:`~kwplug.utils.dataclasses.default_distributed_type`)."""
     for handler in handlers:
         declared = getattr(handler, "distributed_type", None)
@@ -25,6 +30,8 @@ def distributed_type(
             return DistributedType(declared)
     if num_processes > 1 and any(_is_sharded(model) for model in models):
         return DistributedType.FSDP
+    if declared_by_device is not None:
+        return declared_by_device
     return default_distributed_type(device.type, num_processes)
 
 

@@ -14,7 +14,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from kwplug._environment import ProcessInfo, select_device
+from kwplug._environment import ProcessInfo
 from kwplug._plugins import (
     Answer,
     KwplugPluginManager,
@@ -22,7 +22,12 @@ from kwplug._plugins import (
     manager_for,
     require_handler_list,
 )
-from kwplug._runtime import destroy_process_group_at_exit, init_process_group
+from kwplug._runtime import (
+    Device,
+    choose_device,
+    destroy_process_group_at_exit,
+    init_process_group,
+)
 from kwplug.accelerator._required import require_features
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
 from kwplug.handler import KwargsHandler
@@ -43,6 +48,8 @@ class _Setup:
         plugins: the plugin manager (names, descriptions, who answered).
         process: ranks, read after the process group was initialised.
         device: where this process trains.
+        chosen: the ``select_device`` answer (device, declared ``distributed_type``, plugin),
+            or the built-in choice.
         comm_hooks: the merged named DDP communication hooks (passed to ``wrap_model``).
         autocast_factory: builds the autocast context (``contextlib.nullcontext`` when no
             plugin answered).
@@ -57,6 +64,7 @@ class _Setup:
     plugins: KwplugPluginManager
     process: ProcessInfo
     device: torch.device
+    chosen: Device
     comm_hooks: dict[str, CommHook]
     autocast_factory: AutocastFactory
     scaler: LossScaler | None
@@ -73,7 +81,10 @@ def resolve(
         TypeError: the ``make_scaler`` answer is not a :class:`kwplug.precision.LossScaler`.
         ValueError: ``mixed_precision`` is not one of :data:`MIXED_PRECISION`; two handlers
             share a class; a torchrun variable is malformed.
-        TypeError: ``cpu`` is not a bool; ``kwargs_handlers`` holds a non-handler.
+        TypeError: ``cpu`` is not a bool; ``kwargs_handlers`` holds a non-handler; a
+            ``select_device`` answer is not a ``DeviceChoice``.
+        ValueError: a ``select_device`` answer's ``distributed_type`` is not a
+            ``DistributedType`` value.
         RuntimeError: ``WORLD_SIZE > 1`` but no plugin initialised the process group.
         kwplug.errors.PluginConflictError: two third-party default plugins claim a
             one-answer hook for this device.
@@ -93,7 +104,8 @@ def resolve(
     plugins = manager_for(handlers, discover())
 
     info = ProcessInfo.current()
-    device = select_device(cpu, info.local_rank)
+    chosen = choose_device(plugins, cpu, info)
+    device = chosen.device
     plugins.check_conflicts(device.type)
     comm_hooks = _collect_comm_hooks(plugins)
     plugins.each.validate_setup(
@@ -129,6 +141,7 @@ def resolve(
         plugins=plugins,
         process=info,
         device=device,
+        chosen=chosen,
         comm_hooks=comm_hooks,
         autocast_factory=autocast_factory,
         scaler=loss_scaler,

@@ -34,6 +34,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kwplug.validators",
             "kwplug.handler",
             "kwplug.hookspecs",
+            "kwplug._hookinfo",
+            "kwplug._answers",
             "kwplug.precision",
             "kwplug.comm_hooks",
             "kwplug.tracking",

@@ -19,7 +19,7 @@ from kwplug.hookspecs import HOOKS
 from kwplug.testing import PluginSandbox
 
 # The hooks a one-process Accelerator() calls, in order (init_process_group needs WORLD_SIZE > 1).
-SETUP_HOOKS = ["comm_hooks", "validate_setup", "autocast", "make_scaler"]
+SETUP_HOOKS = ["select_device", "comm_hooks", "validate_setup", "autocast", "make_scaler"]
 
 
 @attrs.define
@@ -121,3 +121,30 @@ def test_no_trace_without_the_variable(
     with caplog.at_level(logging.INFO, logger="kwplug.trace"):
         Accelerator(cpu=True)
     assert not [r for r in caplog.records if r.name == "kwplug.trace"]
+
+
+def test_watched_follows_monitoring_and_tracing() -> None:
+    # The manager knows when a hook call must go through pluggy's _hookexec (so that the
+    # monitor sees it) from its own count, not from pluggy's private executor.
+    pm = KwplugPluginManager()
+    pm.register_plugin(AutocastKwargs(), "kwplug:autocast", "the built-in")
+    seen: list[str] = []
+    trace: list[str] = []
+    pm.trace.root.setwriter(trace.append)
+    assert not pm.watched
+    undo = pm.add_hookcall_monitoring(lambda hook, *_: seen.append(hook), lambda *_: None)
+    undo_tracing = pm.enable_tracing()
+    assert pm.watched
+    pm.first.autocast(device_type="cpu", mixed_precision="bf16")
+    assert seen == ["autocast"]
+    assert "autocast [hook]" in "".join(trace)
+    undo_tracing()  # pluggy's undo functions run last-in first-out
+    assert pm.watched  # the monitor is still on
+    pm.first.autocast(device_type="cpu", mixed_precision="bf16")
+    assert seen == ["autocast", "autocast"]
+    undo()
+    undo()  # a second undo changes nothing
+    assert not pm.watched
+    assert pm.first.autocast(device_type="cpu", mixed_precision="bf16") is not None
+    assert seen == ["autocast", "autocast"]
+    assert pm.plan["autocast"].plugin == "kwplug:autocast"

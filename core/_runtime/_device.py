@@ -1,0 +1,75 @@
+"""Which device this process trains on: the plugins' ``select_device`` hook, else the built-in
+choice (:func:`kwplug._environment.select_device`), for an ``Accelerator`` and for
+:class:`kwplug.state.PartialState` alike."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from kwplug._environment import ProcessInfo, select_device
+from kwplug.hookspecs import DeviceChoice
+from kwplug.utils.dataclasses import DistributedType
+from kwplug.utils.environment import parse_flag_from_env
+
+if TYPE_CHECKING:
+    from kwplug._plugins import KwplugPluginManager
+
+
+@attrs.frozen
+class Device:
+    """The device chosen, and the ``distributed_type`` its plugin declared.
+
+    Attributes:
+        device: where this process trains.
+        distributed_type: what the run reports unless a sharding plugin says ``FSDP``
+            (``None``: ``NO`` in one process, else ``MULTI_<device>``).
+        plugin: the registered name of the plugin that chose it (``None``: the built-in
+            choice).
+    """
+
+    device: torch.device
+    distributed_type: DistributedType | None
+    plugin: str | None
+
+
+def choose_device(plugins: KwplugPluginManager, cpu: bool, info: ProcessInfo) -> Device:
+    """Ask the plugins' ``select_device`` hook; without an answer, the built-in choice (the CPU
+    when forced, else ``torch.accelerator``'s current accelerator, else the CPU).
+
+    Args:
+        plugins: the manager whose plugins are asked.
+        cpu: the CPU is forced (``Accelerator(cpu=True)``); ``ACCELERATE_USE_CPU`` adds to it.
+        info: the ranks from torchrun's variables (``local_rank``, ``world_size``).
+
+    Raises:
+        TypeError: the answer is not a :class:`~kwplug.hookspecs.DeviceChoice` (names the
+            plugin).
+        ValueError: its ``distributed_type`` is not a ``DistributedType`` value (names the
+            plugin and the accepted values); ``ACCELERATE_USE_CPU`` is not a flag.
+    """
+    forced = cpu or parse_flag_from_env("ACCELERATE_USE_CPU")
+    answer = plugins.first.select_device(
+        cpu=forced, local_rank=info.local_rank, world_size=info.world_size
+    )
+    if answer is None:
+        return Device(select_device(forced, info.local_rank), None, None)
+    name = plugins.plan["select_device"].plugin or ""
+    if not isinstance(answer, DeviceChoice):
+        raise TypeError(
+            f"select_device of {plugins.describe(name)} must return a kwplug.hookspecs."
+            f"DeviceChoice or None, got {type(answer).__name__}"
+        )
+    declared = answer.distributed_type
+    if declared is None:
+        return Device(answer.device, None, name)
+    try:
+        return Device(answer.device, DistributedType(declared), name)
+    except ValueError:
+        accepted = ", ".join(repr(t.value) for t in DistributedType)
+        raise ValueError(
+            f"select_device of {plugins.describe(name)}: DeviceChoice.distributed_type must be "
+            f"one of {accepted}, got {declared!r}"
+        ) from None
