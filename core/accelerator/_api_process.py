@@ -174,8 +174,8 @@ class _DataAndProcessAPI(_process.Ranks):
 
     @property
     def should_save_model(self) -> bool:
-        """:attr:`is_local_main_process`: Accelerate's answer without a
-        ``parallelism_config`` (which kwplug does not have)."""
+        """:attr:`is_local_main_process` (Accelerate's answer without a
+        ``parallelism_config``; kwplug keeps it with one)."""
         return self.is_local_main_process
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:

@@ -72,6 +72,12 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
         device_placement: default ``True``: :meth:`prepare` moves models, optimizer state and
             batches to :attr:`device`; ``False``: nothing is moved unless a ``prepare*``
             call's ``device_placement`` says so (as Accelerate).
+        fsdp_plugin: Accelerate's keyword for the FSDP2 handler
+            (``kwplug.FullyShardedDataParallelPlugin``, the built-in ``fsdp`` plugin); it is
+            one more kwargs handler, answering before ``kwargs_handlers``.
+        parallelism_config: Accelerate's keyword for the device-mesh handler
+            (``kwplug.ParallelismConfig``, the built-in ``parallelism`` plugin); answers before
+            ``fsdp_plugin``. Its mesh is :attr:`torch_device_mesh`.
 
     The rest of the methods come from the base classes, one concern each: ``_PrepareAPI``
     (``prepare``, ``prepare_model``, ``prepare_optimizer``, ``prepare_data_loader``,
@@ -135,6 +141,8 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
         split_batches: bool | None = None,
         even_batches: bool | None = None,
         device_placement: bool = True,
+        fsdp_plugin: KwargsHandler | None = None,
+        parallelism_config: KwargsHandler | None = None,
     ) -> None:
         try:
             options = resolve_options(
@@ -148,10 +156,17 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
             if short is None:
                 raise
             raise short from None
+        # Accelerate's plugin keywords are handlers like any other; the mesh's comes first so
+        # that tensor parallelism is applied before the data-parallel wrapper.
+        extra = _plugin_keywords(parallelism_config=parallelism_config, fsdp_plugin=fsdp_plugin)
+        handlers = [*extra, *(kwargs_handlers or ())] if extra else kwargs_handlers
         # Resolved once; the public attributes below are read-only by convention.
         self._setup: _Setup = resolve(
-            "no" if mixed_precision is None else mixed_precision, cpu, kwargs_handlers
+            "no" if mixed_precision is None else mixed_precision, cpu, handlers
         )
+        self.parallelism_config: KwargsHandler | None = parallelism_config
+        #: The ``device_mesh`` hook's ``torch.distributed.device_mesh.DeviceMesh``, or ``None``.
+        self.torch_device_mesh: Any = self._setup.device_mesh
         setup = self._setup
         check_ranks_agree(setup, options)  # one small all-gather when distributed
         self.mixed_precision: str = setup.mixed_precision
@@ -324,3 +339,25 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
             "and prepared objects); pickle what you need instead: accelerator.state's fields, "
             "a prepared object's state_dict(), or a checkpoint from save_state()"
         )
+
+
+_KIND = {
+    "parallelism_config": "ParallelismConfig",
+    "fsdp_plugin": "FullyShardedDataParallelPlugin",
+}
+
+
+def _plugin_keywords(**given: KwargsHandler | None) -> list[KwargsHandler]:
+    """The handlers given by Accelerate's plugin keywords, in order.
+
+    Raises:
+        TypeError: one is not a kwplug handler instance (e.g. Accelerate's own plugin).
+    """
+    for keyword, handler in given.items():
+        if handler is not None and not isinstance(handler, KwargsHandler):
+            kind = _KIND.get(keyword, "handler")
+            raise TypeError(
+                f"{keyword} must be a kwplug handler instance (kwplug's {kind}), got "
+                f"{type(handler).__module__}.{type(handler).__qualname__}"
+            )
+    return [h for h in given.values() if h is not None]

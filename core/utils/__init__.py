@@ -37,8 +37,10 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.plugins import AutocastKwargs as AutocastKwargs
     from kwplug.plugins import DDPCommunicationHookType as DDPCommunicationHookType
     from kwplug.plugins import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+    from kwplug.plugins import FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin
     from kwplug.plugins import GradScalerKwargs as GradScalerKwargs
     from kwplug.plugins import InitProcessGroupKwargs as InitProcessGroupKwargs
+    from kwplug.plugins import ParallelismConfig as ParallelismConfig
     from kwplug.plugins import ProfileKwargs as ProfileKwargs
     from kwplug.utils.availability import is_aim_available as is_aim_available
     from kwplug.utils.availability import is_amdsmi_available as is_amdsmi_available
@@ -150,6 +152,8 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(BUILTIN_HANDLERS, "kwplug.plugins"),
     "DDPCommunicationHookType": "kwplug.plugins",
+    "FullyShardedDataParallelPlugin": "kwplug.plugins",
+    "ParallelismConfig": "kwplug.plugins",
     "DataLoaderConfiguration": "kwplug.utils.dataclasses",
     "DistributedType": "kwplug.utils.dataclasses",
     "RNGType": "kwplug.utils.dataclasses",
