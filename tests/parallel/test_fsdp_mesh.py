@@ -217,3 +217,34 @@ def test_hook_device_mesh() -> None:
     # Along "dp" the ranks split the data (16 batches: 8 each); without it they read it all.
     assert len(on_dp[0]["firsts"]) == 8 and on_dp[0]["firsts"] != on_dp[1]["firsts"]
     assert len(on_other[0]["firsts"]) == 16 and on_other[0]["firsts"] == on_other[1]["firsts"]
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("four")
+    return {
+        mode: run_distributed(train, mode, str(root / mode), nproc=4, timeout=400)
+        for mode in ("ddp", "hsdp", "fsdp_tp")
+    }
+
+
+def test_hsdp_trains_as_ddp_in_four_processes(four: dict[str, Any]) -> None:
+    ddp, hsdp = four["ddp"][0], four["hsdp"][0]
+    assert hsdp["mesh"] == ["dp_replicate", "dp_shard"] and hsdp["dtensor"]
+    assert hsdp["distributed_type"] == "FSDP"
+    assert max(abs(a - b) for a, b in zip(hsdp["losses"], ddp["losses"], strict=True)) < TOL
+    assert _max_diff(hsdp["weights"], ddp["weights"]) < TOL
+    assert len({tuple(r["firsts"]) for r in four["hsdp"]}) == 4  # four data-parallel ranks
+
+
+def test_fsdp_with_tensor_parallelism_trains_as_two_process_ddp(
+    four: dict[str, Any], two: dict[str, Any]
+) -> None:
+    # dp_shard=2 x tp=2: two data-parallel ranks, so the batches of a 2-process DDP run.
+    ddp, both = two["ddp"][0], four["fsdp_tp"]
+    assert both[0]["mesh"] == ["dp_shard", "tp"] and both[0]["dtensor"]
+    firsts = [r["firsts"] for r in both]
+    assert firsts[0] == firsts[1] and firsts[2] == firsts[3] and firsts[0] != firsts[2]
+    assert firsts[0] == two["ddp"][0]["firsts"] and firsts[2] == two["ddp"][1]["firsts"]
+    assert max(abs(a - b) for a, b in zip(both[0]["losses"], ddp["losses"], strict=True)) < TOL
+    assert _max_diff(both[0]["weights"], ddp["weights"]) < TOL
