@@ -263,3 +263,34 @@ def ignored_modules(value: Any) -> Any:
             f"{shown(value)} of type {type(value).__name__}"
         )
     return items
+
+
+def state_dict_config(name: str, value: Any, kind: str, optim: bool) -> Any:
+    """``value`` when it is torch's ``StateDictConfig`` (``OptimStateDictConfig`` for
+    ``optim``); ``None``: Accelerate's default for ``kind`` (``FULL_STATE_DICT``:
+    ``Full[Optim]StateDictConfig(offload_to_cpu=True, rank0_only=True)``, else
+    ``Sharded[Optim]StateDictConfig(offload_to_cpu=True)``). FSDP2 reads its ``offload_to_cpu``
+    and ``rank0_only`` (``StateDictOptions(cpu_offload=, broadcast_from_rank0=)``)."""
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        OptimStateDictConfig,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictConfig,
+    )
+
+    base = OptimStateDictConfig if optim else StateDictConfig
+    if value is None:
+        if kind == "FULL_STATE_DICT":
+            full = FullOptimStateDictConfig if optim else FullStateDictConfig
+            return full(offload_to_cpu=True, rank0_only=True)
+        sharded = ShardedOptimStateDictConfig if optim else ShardedStateDictConfig
+        return sharded(offload_to_cpu=True)
+    if not isinstance(value, base):
+        raise TypeError(
+            f"FullyShardedDataParallelPlugin.{name} must be None or a "
+            f"torch.distributed.fsdp.{base.__name__}, got {shown(value)} of type "
+            f"{type(value).__name__}"
+        )
+    return value

@@ -63,7 +63,10 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
             modules; their parameters are left unsharded (``fully_shard(ignored_params=...)``).
         state_dict_type: ``"FULL_STATE_DICT"`` or ``"SHARDED_STATE_DICT"`` (default, as
             Accelerate's FSDP2): what ``save_state`` writes (read by kwplug's checkpoints).
-        state_dict_config, optim_state_dict_config: ``None`` only (FSDP1 configuration).
+        state_dict_config, optim_state_dict_config: torch's ``StateDictConfig`` /
+            ``OptimStateDictConfig`` (``None``: Accelerate's default for ``state_dict_type``,
+            ``offload_to_cpu=True``, and ``rank0_only=True`` for full state dicts); their
+            ``offload_to_cpu``/``rank0_only`` are what FSDP2's state dicts read.
         limit_all_gathers: ``bool``, default ``True``; FSDP1's rate limiter, which FSDP2 does
             not have (ignored, as Accelerate ignores it for FSDP2).
         use_orig_params: ``None`` or ``True`` (FSDP2 always uses the original parameters).
@@ -131,8 +134,12 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
         self.cpu_offload = _fields.cpu_offload(self.cpu_offload)
         self.ignored_modules = _fields.ignored_modules(self.ignored_modules)
         self.state_dict_type = _fields.state_dict_type(self.state_dict_type)
-        unset("state_dict_config", self.state_dict_config, (None,), _FSDP1)
-        unset("optim_state_dict_config", self.optim_state_dict_config, (None,), _FSDP1)
+        self.state_dict_config = _fields.state_dict_config(
+            "state_dict_config", self.state_dict_config, self.state_dict_type, optim=False
+        )
+        self.optim_state_dict_config = _fields.state_dict_config(
+            "optim_state_dict_config", self.optim_state_dict_config, self.state_dict_type, True
+        )
         _fields.check_bool("limit_all_gathers", self.limit_all_gathers)
         unset(
             "use_orig_params",
