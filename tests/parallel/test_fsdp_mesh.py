@@ -248,3 +248,52 @@ def test_fsdp_with_tensor_parallelism_trains_as_two_process_ddp(
     assert firsts[0] == two["ddp"][0]["firsts"] and firsts[2] == two["ddp"][1]["firsts"]
     assert max(abs(a - b) for a, b in zip(both[0]["losses"], ddp["losses"], strict=True)) < TOL
     assert _max_diff(both[0]["weights"], ddp["weights"]) < TOL
+
+
+def low_precision(mixed_precision: str) -> dict[str, Any]:
+    """One FSDP2 step under ``mixed_precision``; under fp16 rank 1 alone gets an inf gradient
+    in its own shard."""
+    from torch.distributed.tensor import DTensor
+
+    from kwplug import FullyShardedDataParallelPlugin
+
+    accelerator = kwplug.Accelerator(
+        mixed_precision=mixed_precision, fsdp_plugin=FullyShardedDataParallelPlugin()
+    )
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
+    grad = model.inp.weight.grad
+    assert isinstance(grad, DTensor)
+    if mixed_precision == "fp16" and accelerator.process_index == 1:
+        grad.to_local().view(-1)[0] = float("inf")
+    before = model.inp.weight.to_local().clone()
+    optimizer.step()
+    policy = model._get_fsdp_state()._mp_policy
+    result = {
+        "skipped": optimizer.step_was_skipped,
+        "changed": not torch.equal(before, model.inp.weight.to_local()),
+        "param_dtype": str(model.inp.weight.dtype),
+        "policy": (str(policy.param_dtype), str(policy.reduce_dtype)),
+        "scaler": type(accelerator.scaler).__name__,
+    }
+    accelerator.end_training()
+    return result
+
+
+def test_fp16_scaler_skips_on_every_rank_when_one_shard_overflows() -> None:
+    ranks = run_distributed(low_precision, "fp16", nproc=2, timeout=120)
+    # torch's GradScaler all-reduces found_inf over a DTensor's mesh: no rank steps alone.
+    assert [r["skipped"] for r in ranks] == [True, True]
+    assert [r["changed"] for r in ranks] == [False, False]
+    assert ranks[0]["scaler"] == "GradScaler"
+    assert ranks[0]["policy"] == ("torch.float16", "torch.float16")  # Accelerate's default
+
+
+def test_bf16_keeps_float32_shards_and_accelerates_policy() -> None:
+    ranks = run_distributed(low_precision, "bf16", nproc=2, timeout=120)
+    assert ranks[0]["param_dtype"] == "torch.float32" and ranks[0]["changed"]
+    assert ranks[0]["policy"] == ("torch.bfloat16", "torch.bfloat16")
+    assert not ranks[0]["skipped"]
