@@ -297,3 +297,57 @@ def test_bf16_keeps_float32_shards_and_accelerates_policy() -> None:
     assert ranks[0]["param_dtype"] == "torch.float32" and ranks[0]["changed"]
     assert ranks[0]["policy"] == ("torch.bfloat16", "torch.bfloat16")
     assert not ranks[0]["skipped"]
+
+
+def accelerate_fsdp2() -> dict[str, Any]:
+    """The same run as ``train("fsdp")`` through Accelerate 1.16's own FSDP2, forced onto gloo.
+
+    Accelerate trains an FSDP plugin as plain DDP on CPU; its FSDP2 path runs there once its
+    shared state (``PartialState`` and ``AcceleratorState``) says ``FSDP`` and holds the
+    plugin (docs: /work/shared/notes/sharding-facts.md).
+    """
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch.distributed.tensor import DTensor
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["Block"],
+    )  # fmt: skip
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, fsdp_plugin=plugin)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
+    AcceleratorState._shared_state["fsdp_plugin"] = plugin
+    assert accelerator.is_fsdp2
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, _data())
+    losses, norms = [], []
+    for step, (x, y) in enumerate(loader):
+        if step >= 2 * STEPS:
+            break
+        with accelerator.accumulate(model):
+            loss = nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+    weights = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist()
+        for k, v in model.state_dict().items()
+    }
+    assert isinstance(model.inp.weight, DTensor)
+    accelerator.end_training()
+    return {"losses": losses, "norms": norms, "weights": weights}
+
+
+def test_fsdp2_equals_accelerates_fsdp2_forced_onto_gloo(two: dict[str, Any]) -> None:
+    pytest.importorskip("accelerate")
+    theirs = run_distributed(accelerate_fsdp2, nproc=2, timeout=240)[0]
+    ours = two["fsdp"][0]
+    assert ours["losses"] == theirs["losses"]  # bitwise: the same torch calls
+    assert ours["norms"] == theirs["norms"]
+    assert _max_diff(ours["weights"], theirs["weights"]) == 0.0
