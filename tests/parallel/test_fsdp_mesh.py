@@ -351,3 +351,78 @@ def test_fsdp2_equals_accelerates_fsdp2_forced_onto_gloo(two: dict[str, Any]) ->
     assert ours["losses"] == theirs["losses"]  # bitwise: the same torch calls
     assert ours["norms"] == theirs["norms"]
     assert _max_diff(ours["weights"], theirs["weights"]) == 0.0
+
+
+def _one_step(plugin: Any, perturb: bool = False) -> tuple[Any, nn.Module, float]:
+    accelerator = kwplug.Accelerator(fsdp_plugin=plugin)
+    model = Net()
+    if perturb and accelerator.process_index == 1:  # rank 1 starts from other weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(accelerator.process_index))
+    loss = model(x).pow(2).mean()
+    accelerator.backward(loss)
+    optimizer.step()
+    return accelerator, model, float(loss)
+
+
+def features() -> dict[str, Any]:
+    """Activation checkpointing, rank-0 weight broadcast, ignored modules, the size policy."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from kwplug import FullyShardedDataParallelPlugin as Plugin
+
+    def full(model: nn.Module) -> dict[str, list[Any]]:
+        return {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist()
+            for k, v in model.state_dict().items()
+        }
+
+    blocks = {
+        "auto_wrap_policy": "transformer_based_wrap",
+        "transformer_cls_names_to_wrap": "Block",
+    }
+    acc, plain, plain_loss = _one_step(Plugin(**blocks))
+    acc.end_training()
+    acc, ac, ac_loss = _one_step(Plugin(activation_checkpointing=True, **blocks))
+    checkpointed = type(ac.blocks[0].forward).__name__
+    same_after_ac = full(plain) == full(ac)
+    acc.end_training()
+    acc, loaded, _ = _one_step(Plugin(cpu_ram_efficient_loading=True), perturb=True)
+    # One step from rank 0's weights on every rank: the same as the unperturbed run.
+    acc.end_training()
+    acc, reference, _ = _one_step(Plugin())
+    broadcast_ok = full(loaded) == full(reference)
+    acc.end_training()
+    acc, ignored, _ = _one_step(Plugin(ignored_modules="out"))
+    ignored_plain = not isinstance(ignored.out.weight, DTensor)
+    others_sharded = isinstance(ignored.inp.weight, DTensor)
+    acc.end_training()
+    acc, sized, _ = _one_step(Plugin(auto_wrap_policy="size_based_wrap", min_num_params=200))
+    own_groups = sorted(n for n, m in sized.named_modules() if isinstance(m, FSDPModule) and n)
+    acc.end_training()
+    return {
+        "ac_loss": ac_loss == plain_loss,
+        "checkpointed": checkpointed,
+        "same_after_ac": same_after_ac,
+        "broadcast_ok": broadcast_ok,
+        "ignored_plain": ignored_plain,
+        "others_sharded": others_sharded,
+        "own_groups": own_groups,
+    }
+
+
+def test_fsdp_plugin_features() -> None:
+    for rank in run_distributed(features, nproc=2, timeout=300):
+        assert rank["checkpointed"] == "_Checkpointed"
+        assert rank["ac_loss"] and rank["same_after_ac"]  # recomputation changes no value
+        assert rank["broadcast_ok"]  # cpu_ram_efficient_loading: rank 0's weights everywhere
+        assert rank["ignored_plain"] and rank["others_sharded"]
+        # Modules with more than 200 parameters (Accelerate's rule: a module's own and its
+        # children's): each Block's Linear and the Block (272), their Sequential (544).
+        inner = ["blocks.0", "blocks.0.inner", "blocks.1", "blocks.1.inner"]
+        assert rank["own_groups"] == ["blocks", *inner]
