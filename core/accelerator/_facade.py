@@ -341,12 +341,6 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
         )
 
 
-_KIND = {
-    "parallelism_config": "ParallelismConfig",
-    "fsdp_plugin": "FullyShardedDataParallelPlugin",
-}
-
-
 def _plugin_keywords(**given: KwargsHandler | None) -> list[KwargsHandler]:
     """The handlers given by Accelerate's plugin keywords, in order.
 
@@ -355,9 +349,9 @@ def _plugin_keywords(**given: KwargsHandler | None) -> list[KwargsHandler]:
     """
     for keyword, handler in given.items():
         if handler is not None and not isinstance(handler, KwargsHandler):
-            kind = _KIND.get(keyword, "handler")
             raise TypeError(
-                f"{keyword} must be a kwplug handler instance (kwplug's {kind}), got "
-                f"{type(handler).__module__}.{type(handler).__qualname__}"
+                f"{keyword} must be a kwplug handler instance (kwplug exports one under "
+                f"Accelerate's class name), got {type(handler).__module__}."
+                f"{type(handler).__qualname__}"
             )
     return [h for h in given.values() if h is not None]
