@@ -40,6 +40,8 @@ _REEXPORTS = {
     "ProjectConfiguration": "kwplug.utils",
     "DistributedType": "kwplug.utils",
     **dict.fromkeys(BUILTIN_HANDLERS, "kwplug"),
+    "FullyShardedDataParallelPlugin": "kwplug",
+    "ParallelismConfig": "kwplug",
     "KwargsHandler": "kwplug",
 }
 

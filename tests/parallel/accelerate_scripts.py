@@ -86,7 +86,8 @@ def _collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 def nd_parallel(dp_replicate_size: int, dp_shard_size: int, tp_size: int, steps: int) -> Any:
     """``nd_parallel.py``'s ``train`` and ``forward``; returns the reduced losses."""
     from kwplug import Accelerator
-    from kwplug.utils import FullyShardedDataParallelPlugin, ParallelismConfig, set_seed
+    from kwplug.parallelism_config import ParallelismConfig
+    from kwplug.utils import FullyShardedDataParallelPlugin, set_seed
 
     set_seed(42)
     parallelism_config = ParallelismConfig(
