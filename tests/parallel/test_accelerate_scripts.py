@@ -24,6 +24,7 @@ def _nd(nproc: int, sizes: tuple[int, int, int]) -> list[Any]:
     return run_distributed(nd_parallel, *sizes, STEPS, nproc=nproc, timeout=400)
 
 
+@pytest.mark.timeout(900)  # several torchrun jobs of 2-4 processes on 2 cores
 def test_nd_parallel_in_two_processes() -> None:
     ddp = _nd(2, (2, 1, 1))  # dp_replicate only: DDP
     fsdp = _nd(2, (1, 2, 1))
@@ -36,6 +37,7 @@ def test_nd_parallel_in_two_processes() -> None:
     assert len(tp[0]["losses"]) == STEPS
 
 
+@pytest.mark.timeout(900)  # several torchrun jobs of 2-4 processes on 2 cores
 def test_nd_parallel_in_four_processes() -> None:
     ddp4 = _nd(4, (4, 1, 1))
     hsdp = _nd(4, (2, 2, 1))
@@ -48,6 +50,7 @@ def test_nd_parallel_in_four_processes() -> None:
     assert _largest(fsdp_tp[0]["losses"], ddp2[0]["losses"]) < TOL
 
 
+@pytest.mark.timeout(900)  # several torchrun jobs of 2-4 processes on 2 cores
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_fsdp_with_peak_mem_tracking(nproc: int) -> None:
     ddp = run_distributed(fsdp_peak_mem, False, nproc=nproc, timeout=400)

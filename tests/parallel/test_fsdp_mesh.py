@@ -133,6 +133,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
+@pytest.mark.timeout(900)  # several torchrun jobs (the module fixture's) on 2 cores
 def test_fsdp2_trains_as_ddp(two: dict[str, Any]) -> None:
     ddp, fsdp = two["ddp"][0], two["fsdp"][0]
     assert fsdp["distributed_type"] == "FSDP" and fsdp["is_fsdp2"] and fsdp["dtensor"]
@@ -228,6 +229,7 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
+@pytest.mark.timeout(900)  # several torchrun jobs (the module fixture's) on 2 cores
 def test_hsdp_trains_as_ddp_in_four_processes(four: dict[str, Any]) -> None:
     ddp, hsdp = four["ddp"][0], four["hsdp"][0]
     assert hsdp["mesh"] == ["dp_replicate", "dp_shard"] and hsdp["dtensor"]
@@ -237,6 +239,7 @@ def test_hsdp_trains_as_ddp_in_four_processes(four: dict[str, Any]) -> None:
     assert len({tuple(r["firsts"]) for r in four["hsdp"]}) == 4  # four data-parallel ranks
 
 
+@pytest.mark.timeout(900)  # several torchrun jobs (the module fixture's) on 2 cores
 def test_fsdp_with_tensor_parallelism_trains_as_two_process_ddp(
     four: dict[str, Any], two: dict[str, Any]
 ) -> None:
@@ -344,6 +347,7 @@ def accelerate_fsdp2() -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "weights": weights}
 
 
+@pytest.mark.timeout(900)  # several torchrun jobs (the module fixture's) on 2 cores
 def test_fsdp2_equals_accelerates_fsdp2_forced_onto_gloo(two: dict[str, Any]) -> None:
     pytest.importorskip("accelerate")
     theirs = run_distributed(accelerate_fsdp2, nproc=2, timeout=240)[0]
