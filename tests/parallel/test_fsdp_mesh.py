@@ -127,10 +127,11 @@ def _max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("two")
-    return {
+    runs: dict[str, Any] = {
         mode: run_distributed(train, mode, str(root / mode), nproc=2, timeout=240)
         for mode in ("ddp", "fsdp", "tp")
     }
+    return {**runs, "root": str(root)}
 
 
 @pytest.mark.timeout(900)  # several torchrun jobs (the module fixture's) on 2 cores
@@ -155,25 +156,15 @@ def test_tensor_parallel_ranks_read_the_same_batches(two: dict[str, Any]) -> Non
     assert tp0["losses"] == tp1["losses"]
 
 
-def test_save_model_of_a_sharded_model_writes_full_weights(
-    two: dict[str, Any], tmp_path: Path
-) -> None:
-    del tmp_path
-    fsdp = two["fsdp"][0]
-    folder = Path(fsdp.get("_out", "")) if "_out" in fsdp else None
-    assert folder is None  # the folder is checked in test_saved_files
-    assert fsdp["weights"]
-
-
-def test_saved_files(two: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> None:
-    del two
-    root = next(p for p in tmp_path_factory.getbasetemp().iterdir() if p.name.startswith("two"))
-    folder = root / "fsdp"
+def test_save_model_of_a_sharded_model_writes_full_weights(two: dict[str, Any]) -> None:
+    folder = Path(two["root"]) / "fsdp"
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(set(index["weight_map"].values())):
         tensors.update(safetensors.torch.load_file(folder / name))
     assert set(tensors) == set(Net().state_dict())
+    for name, tensor in tensors.items():  # the full, trained weights: rank 0's gathered copy
+        assert torch.equal(tensor, torch.tensor(two["fsdp"][0]["weights"][name])), name
     assert len(set(index["weight_map"].values())) > 1  # max_shard_size split it
 
 
