@@ -156,9 +156,7 @@ class HandlerSpec:
             comm_hooks: every named DDP communication hook known to this Accelerator
                 (built-in, registered with :func:`kwplug.register_comm_hook`, and contributed by
                 plugins' :meth:`comm_hooks`), by name.
-            device_mesh: the Accelerator's one ``torch.distributed.device_mesh.DeviceMesh``
-                (the :meth:`device_mesh` answer), or ``None`` when no plugin built one. A
-                wrapper shards or replicates over the dimensions it is named for.
+            device_mesh: the :meth:`device_mesh` answer (a ``DeviceMesh``), or ``None``.
 
         Returns:
             The wrapped module (e.g. ``torch.nn.parallel.DistributedDataParallel``), or
@@ -171,20 +169,15 @@ class HandlerSpec:
     def device_mesh(self, device_type: str, world_size: int) -> DeviceMesh | None:
         """Build the Accelerator's one device mesh, or return ``None``.
 
-        Args:
-            device_type: the Accelerator's device type (``init_device_mesh``'s first argument).
-            world_size: number of processes (>= 1).
+        Args: ``device_type`` (the Accelerator's), ``world_size`` (number of processes).
 
         Returns:
-            A ``torch.distributed.device_mesh.DeviceMesh`` over every process (e.g.
-            ``ParallelismConfig``'s ``init_device_mesh`` with named dimensions), or ``None`` for
-            "not mine". The core knows one convention of it: the ranks along its ``dp``
-            dimension (a flattened dimension is fine) read different batches from prepared
-            data loaders, and a mesh without one has every rank read the same batches. The
-            answer is ``accelerator.torch_device_mesh`` and reaches :meth:`wrap_model`.
+            A ``DeviceMesh`` over every process, or ``None`` ("not mine"). Ranks along its
+            ``dp`` dimension (may be flattened) read different batches from prepared loaders;
+            without one, all read the same. It is ``accelerator.torch_device_mesh``.
 
-        Called by: ``Accelerator.__init__`` once, on every rank, after the process group is
-        initialised (``init_device_mesh`` is collective). ``firstresult``: yes.
+        Called by: ``Accelerator.__init__`` once, on every rank, after the process group exists
+        (``init_device_mesh`` is collective). ``firstresult``: yes.
         """
 
     @spec(ONE_ANSWER, pure=True)
