@@ -31,8 +31,10 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.plugins import AutocastKwargs as AutocastKwargs
     from kwplug.plugins import DDPCommunicationHookType as DDPCommunicationHookType
     from kwplug.plugins import DistributedDataParallelKwargs as DistributedDataParallelKwargs
+    from kwplug.plugins import FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin
     from kwplug.plugins import GradScalerKwargs as GradScalerKwargs
     from kwplug.plugins import InitProcessGroupKwargs as InitProcessGroupKwargs
+    from kwplug.plugins import ParallelismConfig as ParallelismConfig
     from kwplug.plugins import ProfileKwargs as ProfileKwargs
     from kwplug.state import AcceleratorState as AcceleratorState
     from kwplug.state import PartialState as PartialState
@@ -61,6 +63,8 @@ _EXPORTS: dict[str, str] = {
     "notebook_launcher": "kwplug.launchers",
     **dict.fromkeys(BUILTIN_HANDLERS, "kwplug.plugins"),
     "DDPCommunicationHookType": "kwplug.plugins",
+    "FullyShardedDataParallelPlugin": "kwplug.plugins",
+    "ParallelismConfig": "kwplug.plugins",
     "AcceleratorState": "kwplug.state",
     "PartialState": "kwplug.state",
     "DataLoaderConfiguration": "kwplug.utils",

@@ -40,6 +40,7 @@ from kwplug._hookinfo import (
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
     from kwplug.comm_hooks import CommHook
     from kwplug.precision import LossScaler
@@ -96,6 +97,7 @@ class HandlerSpec:
         world_size: int,
         mixed_precision: str,
         comm_hooks: Mapping[str, CommHook],
+        device_mesh: DeviceMesh | None,
     ) -> torch.nn.Module | None:
         """Wrap a model for distributed training, or return ``None``.
 
@@ -109,12 +111,28 @@ class HandlerSpec:
             comm_hooks: every named DDP communication hook known to this Accelerator
                 (built-in, registered with :func:`kwplug.register_comm_hook`, and contributed by
                 plugins' :meth:`comm_hooks`), by name.
+            device_mesh: the :meth:`device_mesh` answer (a ``DeviceMesh``), or ``None``.
 
         Returns:
             The wrapped module (e.g. ``torch.nn.parallel.DistributedDataParallel``), or
             ``None`` for "not mine". If no plugin answers, the model is used unwrapped.
 
         Called by: ``Accelerator.prepare()``, once per model. ``firstresult``: yes.
+        """
+
+    @spec(ONE_ANSWER)
+    def device_mesh(self, device_type: str, world_size: int) -> DeviceMesh | None:
+        """Build the Accelerator's one device mesh, or return ``None``.
+
+        Args: ``device_type`` (the Accelerator's), ``world_size`` (number of processes).
+
+        Returns:
+            A ``DeviceMesh`` over every process, or ``None`` ("not mine"). Ranks along its
+            ``dp`` dimension (may be flattened) read different batches from prepared loaders;
+            without one, all read the same. It is ``accelerator.torch_device_mesh``.
+
+        Called by: ``Accelerator.__init__`` once, on every rank, after the process group exists
+        (``init_device_mesh`` is collective). ``firstresult``: yes.
         """
 
     @spec(ONE_ANSWER, pure=True)

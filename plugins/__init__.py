@@ -23,8 +23,12 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.plugins.ddp import DistributedDataParallelKwargs as DistributedDataParallelKwargs
     from kwplug.plugins.dynamo import DynamoBackend as DynamoBackend
     from kwplug.plugins.dynamo import TorchDynamoPlugin as TorchDynamoPlugin
+    from kwplug.plugins.fsdp import (
+        FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin,
+    )
     from kwplug.plugins.grad_scaler import GradScalerKwargs as GradScalerKwargs
     from kwplug.plugins.mlflow_tracker import MLflowTracker as MLflowTracker
+    from kwplug.plugins.parallelism import ParallelismConfig as ParallelismConfig
     from kwplug.plugins.process_group import InitProcessGroupKwargs as InitProcessGroupKwargs
     from kwplug.plugins.profile import ProfileKwargs as ProfileKwargs
     from kwplug.plugins.trackers import JSONLinesTracker as JSONLinesTracker
@@ -39,6 +43,8 @@ _EXPORTS: dict[str, str] = {
     "DistributedDataParallelKwargs": ".ddp",
     "DynamoBackend": ".dynamo",
     "TorchDynamoPlugin": ".dynamo",
+    "FullyShardedDataParallelPlugin": ".fsdp",
+    "ParallelismConfig": ".parallelism",
     "GradScalerKwargs": ".grad_scaler",
     "InitProcessGroupKwargs": ".process_group",
     "ProfileKwargs": ".profile",

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
     from kwplug.comm_hooks import CommHook
     from kwplug.hookspecs import AutocastFactory, DeviceChoice
@@ -72,6 +73,7 @@ class FirstRelay:
         world_size: int,
         mixed_precision: str,
         comm_hooks: Mapping[str, CommHook],
+        device_mesh: DeviceMesh | None,
     ) -> torch.nn.Module | None:
         """Ask ``wrap_model`` (see :meth:`kwplug.hookspecs.HandlerSpec.wrap_model`)."""
         answer: torch.nn.Module | None = self._ask(
@@ -83,7 +85,15 @@ class FirstRelay:
                 "world_size": world_size,
                 "mixed_precision": mixed_precision,
                 "comm_hooks": comm_hooks,
+                "device_mesh": device_mesh,
             },
+        )
+        return answer
+
+    def device_mesh(self, *, device_type: str, world_size: int) -> DeviceMesh | None:
+        """Ask ``device_mesh`` (see :meth:`kwplug.hookspecs.HandlerSpec.device_mesh`)."""
+        answer: DeviceMesh | None = self._ask(
+            "device_mesh", {"device_type": device_type, "world_size": world_size}
         )
         return answer
 

@@ -42,6 +42,8 @@ _REEXPORTS = {
     "DynamoBackend": "kwplug.utils",
     "TorchDynamoPlugin": "kwplug.utils",
     **dict.fromkeys(BUILTIN_HANDLERS, "kwplug"),
+    "FullyShardedDataParallelPlugin": "kwplug",
+    "ParallelismConfig": "kwplug",
     "KwargsHandler": "kwplug",
 }
 

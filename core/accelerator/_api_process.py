@@ -182,9 +182,20 @@ class _DataAndProcessAPI(Ranks):
 
     @property
     def should_save_model(self) -> bool:
-        """:attr:`is_local_main_process`: Accelerate's answer without a
-        ``parallelism_config`` (which kwplug does not have)."""
+        """:attr:`is_local_main_process` (Accelerate's answer without a
+        ``parallelism_config``; kwplug keeps it with one)."""
         return self.is_local_main_process
+
+    def maybe_context_parallel(
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """``contextlib.nullcontext()``: Accelerate's context-parallel context when context
+        parallelism is off, which in kwplug it always is (``ParallelismConfig(cp_size>1)`` is a
+        ``ValueError``); the arguments are accepted and left alone."""
+        return contextlib.nullcontext()
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:
         """True when a submodule of ``model`` has an ``hf_device_map`` of more than one entry

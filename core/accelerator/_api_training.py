@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kwplug.accelerator import _join
+from kwplug.accelerator._clip import clip_grad_norm
 
 if TYPE_CHECKING:
     from kwplug.accelerator._gradient_state import GradientState
@@ -195,14 +196,17 @@ class _TrainingAPI:
         (:attr:`sync_gradients` false) they are left alone -- they are partial, and scaled
         under fp16 -- and the norm they have so far is returned.
 
+        Gradients that are ``DTensor`` objects (FSDP2 shards, tensor-parallel parameters) count
+        whole: the norm is the unsharded model's (:mod:`kwplug.accelerator._clip`).
+
         Returns:
             The total gradient norm before clipping (a 0-d tensor).
         """
         parameters = list(parameters)
         if self.gradient_state.sync_gradients:
             self.unscale_gradients()
-            return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-        norm = torch.nn.utils.clip_grad_norm_(parameters, float("inf"), norm_type=norm_type)
+            return clip_grad_norm(parameters, max_norm, norm_type)
+        norm = clip_grad_norm(parameters, float("inf"), norm_type)
         backend = self._setup.scaler
         return norm / backend.get_scale() if backend is not None else norm
 

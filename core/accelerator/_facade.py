@@ -79,6 +79,12 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
             plugin answering the ``compile_model`` hook.
         dynamo_plugin: a :class:`kwplug.utils.TorchDynamoPlugin` instead (not with
             ``dynamo_backend``: ``ValueError``).
+        fsdp_plugin: Accelerate's keyword for the FSDP2 handler
+            (``kwplug.FullyShardedDataParallelPlugin``, the built-in ``fsdp`` plugin); it is
+            one more kwargs handler, answering before ``kwargs_handlers``.
+        parallelism_config: Accelerate's keyword for the device-mesh handler
+            (``kwplug.ParallelismConfig``, the built-in ``parallelism`` plugin); answers before
+            ``fsdp_plugin``. Its mesh is :attr:`torch_device_mesh`.
 
     The rest of the methods come from the base classes, one concern each: ``_PrepareAPI``
     (``prepare``, ``prepare_model``, ``prepare_optimizer``, ``prepare_data_loader``,
@@ -144,6 +150,8 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
         device_placement: bool = True,
         dynamo_backend: str | None = None,
         dynamo_plugin: KwargsHandler | None = None,
+        fsdp_plugin: KwargsHandler | None = None,
+        parallelism_config: KwargsHandler | None = None,
     ) -> None:
         try:
             options = resolve_options(
@@ -159,10 +167,17 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
             raise short from None
         # torch.compile is the `dynamo` plugin's: the keywords only add its handler.
         kwargs_handlers = with_compile_handler(kwargs_handlers, dynamo_backend, dynamo_plugin)
+        # Accelerate's plugin keywords are handlers like any other; the mesh's comes first so
+        # that tensor parallelism is applied before the data-parallel wrapper.
+        extra = _plugin_keywords(parallelism_config=parallelism_config, fsdp_plugin=fsdp_plugin)
+        handlers = [*extra, *(kwargs_handlers or ())] if extra else kwargs_handlers
         # Resolved once; the public attributes below are read-only by convention.
         self._setup: _Setup = resolve(
-            "no" if mixed_precision is None else mixed_precision, cpu, kwargs_handlers
+            "no" if mixed_precision is None else mixed_precision, cpu, handlers
         )
+        self.parallelism_config: KwargsHandler | None = parallelism_config
+        #: The ``device_mesh`` hook's ``torch.distributed.device_mesh.DeviceMesh``, or ``None``.
+        self.torch_device_mesh: Any = self._setup.device_mesh
         setup = self._setup
         check_ranks_agree(setup, options)  # one small all-gather when distributed
         self.mixed_precision: str = setup.mixed_precision
@@ -335,3 +350,19 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
             "and prepared objects); pickle what you need instead: accelerator.state's fields, "
             "a prepared object's state_dict(), or a checkpoint from save_state()"
         )
+
+
+def _plugin_keywords(**given: KwargsHandler | None) -> list[KwargsHandler]:
+    """The handlers given by Accelerate's plugin keywords, in order.
+
+    Raises:
+        TypeError: one is not a kwplug handler instance (e.g. Accelerate's own plugin).
+    """
+    for keyword, handler in given.items():
+        if handler is not None and not isinstance(handler, KwargsHandler):
+            raise TypeError(
+                f"{keyword} must be a kwplug handler instance (kwplug exports one under "
+                f"Accelerate's class name), got {type(handler).__module__}."
+                f"{type(handler).__qualname__}"
+            )
+    return [h for h in given.values() if h is not None]

@@ -166,6 +166,7 @@ class _Prepared:
             world_size=setup.process.world_size,
             mixed_precision=setup.mixed_precision,
             comm_hooks=setup.comm_hooks,
+            device_mesh=setup.device_mesh,
         )
         if wrapped is not None and not isinstance(wrapped, torch.nn.Module):
             plugin = self.plan["wrap_model"].plugin or "?"
@@ -251,12 +252,12 @@ class _Prepared:
     ) -> PreparedDataLoader:
         """Shard ``loader`` for this rank (:func:`kwplug.data.prepare_dataloader`); its batches
         are moved to the device only with ``device_placement``."""
-        process = self.setup.process
+        size, rank = self.setup.data_parallel  # the data-parallel ranks only (device mesh)
         prepared = prepare_dataloader(
             loader,
             self.setup.device,
-            process.world_size,
-            process.rank,
+            size,
+            rank,
             seed=seed,
             config=self.dataloader_config,
             tracker=self.active_loaders,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -57,6 +58,10 @@ class _Setup:
             ``torch.amp.GradScaler``), or ``None``. It holds training state (the scale), so
             it belongs to one run.
         answers: who answered each set-up ``firstresult`` hook, in call order.
+        device_mesh: the ``device_mesh`` hook's ``torch.distributed.device_mesh.DeviceMesh``,
+            or ``None``.
+        data_parallel: ``(size, rank)`` of this process along the mesh's ``dp`` dimension
+            (what prepared data loaders shard over); ``(world_size, rank)`` without a mesh.
     """
 
     mixed_precision: str
@@ -69,6 +74,8 @@ class _Setup:
     autocast_factory: AutocastFactory
     scaler: LossScaler | None
     answers: Mapping[str, Answer]
+    device_mesh: Any = None
+    data_parallel: tuple[int, int] = (1, 0)
 
 
 def resolve(
@@ -118,6 +125,7 @@ def resolve(
         info = init_process_group(plugins, info, device.type)
     if info.world_size > 1:
         destroy_process_group_at_exit()
+    mesh = plugins.first.device_mesh(device_type=device.type, world_size=info.world_size)
 
     autocast_factory: AutocastFactory = (
         plugins.first.autocast(device_type=device.type, mixed_precision=mixed_precision)
@@ -146,7 +154,21 @@ def resolve(
         autocast_factory=autocast_factory,
         scaler=loss_scaler,
         answers=dict(plugins.plan),
+        device_mesh=mesh,
+        data_parallel=_data_parallel(mesh, info),
     )
+
+
+def _data_parallel(mesh: Any, info: ProcessInfo) -> tuple[int, int]:
+    # The hook's one convention: ranks along "dp" read different data; a mesh without a "dp"
+    # dimension (tensor parallelism only) has every rank read the same batches.
+    if mesh is None:
+        return info.world_size, info.rank
+    try:
+        dp = mesh["dp"]
+    except (KeyError, RuntimeError, ValueError):
+        return 1, 0
+    return int(dp.size()), int(dp.get_local_rank())
 
 
 def _collect_comm_hooks(plugins: KwplugPluginManager) -> dict[str, CommHook]:

@@ -38,8 +38,10 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.plugins import DDPCommunicationHookType as DDPCommunicationHookType
     from kwplug.plugins import DistributedDataParallelKwargs as DistributedDataParallelKwargs
     from kwplug.plugins import DynamoBackend as DynamoBackend
+    from kwplug.plugins import FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin
     from kwplug.plugins import GradScalerKwargs as GradScalerKwargs
     from kwplug.plugins import InitProcessGroupKwargs as InitProcessGroupKwargs
+    from kwplug.plugins import ParallelismConfig as ParallelismConfig
     from kwplug.plugins import ProfileKwargs as ProfileKwargs
     from kwplug.plugins import TorchDynamoPlugin as TorchDynamoPlugin
     from kwplug.utils.availability import is_aim_available as is_aim_available
@@ -154,6 +156,8 @@ _EXPORTS: dict[str, str] = {
     "DDPCommunicationHookType": "kwplug.plugins",
     "DynamoBackend": "kwplug.plugins",
     "TorchDynamoPlugin": "kwplug.plugins",
+    "FullyShardedDataParallelPlugin": "kwplug.plugins",
+    "ParallelismConfig": "kwplug.plugins",
     "DataLoaderConfiguration": "kwplug.utils.dataclasses",
     "DistributedType": "kwplug.utils.dataclasses",
     "RNGType": "kwplug.utils.dataclasses",

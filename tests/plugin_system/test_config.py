@@ -61,7 +61,7 @@ def test_mapping_and_overrides() -> None:
         (
             "[handlers.nope]\nx = 1",
             r"\[handlers.nope\]: no handler plugin named 'nope'; known: "
-            r"autocast, ddp, dynamo, grad_scaler",
+            r"autocast, ddp, dynamo, fsdp, (fsdp, )?grad_scaler, init_process_group, parallelism",
         ),
         (
             "[handlers.grad_scaler]\ninit_scal = 2.0",

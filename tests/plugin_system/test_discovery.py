@@ -9,17 +9,20 @@ from kwplug._plugins import _discovery as discovery
 
 
 def test_builtins_are_discovered_with_their_hooks() -> None:
-    records = {r.name: r for r in discovery.discover()}
-    assert {n: r.hooks for n, r in records.items() if r.builtin} == {
+    # Built-ins only: the kwplug-fsdp example also names its entry point "fsdp".
+    records = {r.name: r for r in discovery.discover() if r.builtin}
+    assert {n: r.hooks for n, r in records.items()} == {
         "aim": ("trackers",),
         "autocast": ("autocast",),
         "comet_ml": ("trackers",),
         "ddp": ("no_sync", "sync_in_backward", "validate_setup", "wrap_model"),
         "ddp_comm_hooks": ("comm_hooks",),
         "dynamo": ("compile_model",),
+        "fsdp": ("device_mesh", "no_sync", "wrap_model"),
         "grad_scaler": ("make_scaler",),
         "init_process_group": ("init_process_group", "validate_setup"),
         "mlflow": ("trackers",),
+        "parallelism": ("device_mesh", "validate_setup", "wrap_model"),
         "profile": ("make_profiler",),
         "trackers": ("trackers",),
         "wandb": ("trackers",),

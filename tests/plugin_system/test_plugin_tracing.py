@@ -19,7 +19,14 @@ from kwplug.hookspecs import HOOKS
 from kwplug.testing import PluginSandbox
 
 # The hooks a one-process Accelerator() calls, in order (init_process_group needs WORLD_SIZE > 1).
-SETUP_HOOKS = ["select_device", "comm_hooks", "validate_setup", "autocast", "make_scaler"]
+SETUP_HOOKS = [
+    "select_device",
+    "comm_hooks",
+    "validate_setup",
+    "device_mesh",
+    "autocast",
+    "make_scaler",
+]
 
 
 @attrs.define

@@ -47,5 +47,6 @@ def wrong(pm: KwplugPluginManager, model: torch.nn.Module) -> None:
         world_size=1,
         mixed_precision="no",
         comm_hooks={},
+        device_mesh=None,
     )
     del wrapped

@@ -309,7 +309,10 @@ def plugins_json(env: dict[str, str]) -> list[dict[str, Any]]:
 
 
 def test_listed_as_third_party_plugin() -> None:
-    (record,) = [r for r in plugins_json({}) if r["name"] == "fsdp"]
+    # "fsdp" is also kwplug's built-in FullyShardedDataParallelPlugin: select by distribution.
+    (record,) = [
+        r for r in plugins_json({}) if r["name"] == "fsdp" and r["distribution"] != "kwplug"
+    ]
     assert record["distribution"] == "kwplug-fsdp"
     assert record["version"] == "0.1.0"
     assert record["hooks"] == ["no_sync", "wrap_model"]
@@ -319,13 +322,13 @@ def test_listed_as_third_party_plugin() -> None:
 
 @pytest.mark.usefixtures("fsdp_installed")
 def test_blocked_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    (record,) = [r for r in plugins_json({"KWPLUG_BLOCK_PLUGINS": "fsdp"}) if r["name"] == "fsdp"]
+    name = "kwplug-fsdp:fsdp"  # "fsdp" alone also names kwplug's built-in FSDP2 plugin
+    records = plugins_json({"KWPLUG_BLOCK_PLUGINS": name})
+    (record,) = [r for r in records if r["name"] == "fsdp" and r["distribution"] != "kwplug"]
     assert record["status"] == "blocked"
-    monkeypatch.setenv("KWPLUG_BLOCK_PLUGINS", "fsdp")
-    with pytest.raises(
-        ConfigError, match=r"\[handlers\.fsdp\].*'fsdp' \(kwplug-fsdp .*\(blocked\)"
-    ):
-        kwplug.Accelerator.from_config({"handlers": {"fsdp": {"shard_modules": ["Linear"]}}})
+    monkeypatch.setenv("KWPLUG_BLOCK_PLUGINS", name)
+    with pytest.raises(ConfigError, match=r"'fsdp' \(kwplug-fsdp .*\(blocked\)"):
+        kwplug.Accelerator.from_config({"handlers": {name: {"shard_modules": ["Linear"]}}})
 
 
 @pytest.mark.usefixtures("fsdp_installed")
@@ -333,8 +336,8 @@ def test_configured_by_entry_point_name() -> None:
     accelerator = kwplug.Accelerator.from_config(CONFIG, cpu=True)
     (handler,) = [h for h in accelerator.handlers if isinstance(h, FullyShardedKwargs)]
     assert handler.shard_modules == ("Linear",)
-    with pytest.raises(ConfigError, match=r"\[handlers\.fsdp\].*'reduce_dtype'"):
-        kwplug.Accelerator.from_config({"handlers": {"fsdp": {"reduce_dtype": "int8"}}})
+    with pytest.raises(ConfigError, match=r"\[handlers\.kwplug-fsdp:fsdp\].*'reduce_dtype'"):
+        kwplug.Accelerator.from_config({"handlers": {"kwplug-fsdp:fsdp": {"reduce_dtype": "int8"}}})
 
 
 # -- two processes ----------------------------------------------------------------------------
