@@ -146,6 +146,20 @@ def test_fsdp2_plugin_on_gpu() -> None:
 
 
 @two_gpus
+@two_gpus  # one rank per GPU: nccl
+@pytest.mark.parametrize("mode", ["fsdp", "tp", "fsdp_tp"])
+def test_builtin_fsdp2_and_tensor_parallel_on_nccl(mode: str, tmp_path: Path) -> None:
+    if mode == "fsdp_tp" and GPUS < 4:
+        pytest.skip("FSDP2 x TP needs 4 GPUs (2 x 2 mesh)")
+    nproc = 4 if mode == "fsdp_tp" else 2
+    results = run_distributed(
+        gpu_workers.builtin_parallel, mode, str(tmp_path / "ckpt"), nproc=nproc, timeout=240
+    )
+    for result in results:
+        assert result["dtensor"] and result["device"].startswith("cuda")
+        assert result["finite"] and result["restored"], result
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the bandwidth benchmark needs root (netns)")
 def test_bandwidth_benchmark_on_nccl(tmp_path: Path) -> None:
     out = tmp_path / "bw.json"
