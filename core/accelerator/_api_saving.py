@@ -14,10 +14,9 @@ import torch
 
 from kwplug._plugins import KwplugPluginManager
 from kwplug.accelerator import _keywords, _saving
-from kwplug.checkpoint import _naming
+from kwplug.checkpoint import SaveArrivals, _naming
 from kwplug.checkpoint import _prehooks as prehooks
 from kwplug.checkpoint import _sources as sources
-from kwplug.checkpoint._arrival import SaveArrivals
 from kwplug.checkpoint._runs import RunIdentity
 from kwplug.utils.dataclasses import ProjectConfiguration
 

@@ -31,6 +31,7 @@ by the Accelerator (:mod:`~kwplug.checkpoint._sources`). One module per concern:
 from __future__ import annotations
 
 from kwplug.checkpoint._api import load_state, save_state
+from kwplug.checkpoint._arrival import SaveArrivals
 from kwplug.checkpoint._commit import STEPS, is_complete, resolve_checkpoint
 from kwplug.checkpoint._layout import MARKER
 from kwplug.checkpoint._sources import CheckpointSources
@@ -42,6 +43,7 @@ __all__ = [
     "STEPS",
     "CheckpointError",
     "CheckpointSources",
+    "SaveArrivals",
     "attach_state",
     "attached_states",
     "is_complete",

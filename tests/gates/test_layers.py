@@ -79,7 +79,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (
         "faces and tools",
-        ("=kwplug", "=kwplug.utils", "kwplug.cli", "kwplug.__main__", "kwplug.testing"),
+        (
+            "=kwplug",
+            "=kwplug.utils",
+            # kwplug's face under Accelerate's name and version (``import kwplug.accelerate as
+            # accelerate``): the top of the Accelerate-compatible surface, above kwplug's face
+            "kwplug.accelerate",
+            "kwplug.cli",
+            "kwplug.__main__",
+            "kwplug.testing",
+        ),
     ),
 )
 
