@@ -14,10 +14,15 @@ import torch
 
 from kwplug._plugins import KwplugPluginManager
 from kwplug.accelerator import _keywords, _saving
-from kwplug.checkpoint import SaveArrivals, _naming
-from kwplug.checkpoint import _prehooks as prehooks
-from kwplug.checkpoint import _sources as sources
-from kwplug.checkpoint._runs import RunIdentity
+from kwplug.checkpoint import (
+    CheckpointSources,
+    RunIdentity,
+    SaveArrivals,
+    StatePreHooks,
+    load_project_state,
+    register_for_checkpointing,
+    save_project_state,
+)
 from kwplug.utils.dataclasses import ProjectConfiguration
 
 if TYPE_CHECKING:
@@ -101,8 +106,8 @@ class _SavingAPI:
     # -- checkpoints ------------------------------------------------------------------------
 
     @functools.cached_property
-    def _state_pre_hooks(self) -> prehooks.StatePreHooks:
-        return prehooks.StatePreHooks()
+    def _state_pre_hooks(self) -> StatePreHooks:
+        return StatePreHooks()
 
     @functools.cached_property
     def _checkpoint_run(self) -> RunIdentity:
@@ -134,7 +139,7 @@ class _SavingAPI:
             TypeError: ``hook`` is not callable.
             NotImplementedError: (from :meth:`save_state`) a prepared model is sharded.
         """
-        return prehooks.register(self._state_pre_hooks.save, hook)
+        return self._state_pre_hooks.register_save(hook)
 
     def register_load_state_pre_hook(
         self, hook: Callable[..., None]
@@ -152,7 +157,7 @@ class _SavingAPI:
             TypeError: ``hook`` is not callable.
             NotImplementedError: (from :meth:`load_state`) a prepared model is sharded.
         """
-        return prehooks.register(self._state_pre_hooks.load, hook)
+        return self._state_pre_hooks.register_load(hook)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include ``objects`` (each with ``state_dict()`` and ``load_state_dict()``, e.g. an
@@ -163,9 +168,9 @@ class _SavingAPI:
                 ``TypeError``) an object lacks ``state_dict`` or ``load_state_dict``; the
                 message lists each one by index, and none of ``objects`` is registered.
         """
-        sources.register(cast("Accelerator", self)._prepared.custom_objects, *objects)
+        register_for_checkpointing(cast("Accelerator", self)._prepared.custom_objects, *objects)
 
-    def _checkpoint_sources(self) -> sources.CheckpointSources:
+    def _checkpoint_sources(self) -> CheckpointSources:
         # What one save_state/load_state reads: kwplug.checkpoint never sees the Accelerator.
         acc = cast("Accelerator", self)
         prepared, plugins = acc._prepared, acc.plugin_manager
@@ -179,7 +184,7 @@ class _SavingAPI:
             for name, state in saved.items():
                 plugins.each_of(name).load_handler_state(state=state)
 
-        return sources.CheckpointSources(
+        return CheckpointSources(
             models=tuple(prepared.models),
             optimizers=tuple(prepared.optimizers),
             dataloaders=tuple(prepared.dataloaders),
@@ -266,7 +271,7 @@ class _SavingAPI:
                 with parameters outside that model.
         """
         _keywords.check_save_state(safe_serialization, save_model_func_kwargs)
-        return _naming.save(self._checkpoint_sources(), output_dir)
+        return save_project_state(self._checkpoint_sources(), output_dir)
 
     def load_state(
         self,
@@ -344,4 +349,4 @@ class _SavingAPI:
         checkpoint = attrs.evolve(
             self._checkpoint_sources(), exact_data_position=exact_data_position
         )
-        return _naming.load(checkpoint, input_dir)
+        return load_project_state(checkpoint, input_dir)
