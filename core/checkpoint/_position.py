@@ -59,7 +59,8 @@ def at_epoch_start(index: int, position: dict[str, Any]) -> dict[str, Any]:
     if not done:
         return position
     epoch = int(position.get("epoch") or 0)
-    if ProcessInfo.current().rank == 0:  # the main process says it, once
+    # The main process says it, once (the ranks read only when the record would be emitted).
+    if logger.isEnabledFor(logging.INFO) and ProcessInfo.current().rank == 0:
         _say_restarted(index, done, epoch)
     return {**position, "batches_yielded": 0, "offset": 0}
 
@@ -72,5 +73,5 @@ def _say_restarted(index: int, done: int, epoch: int) -> None:
         f"{done}), which draws the epoch's order afresh as Accelerate's does), or resume at "
         "the exact batch with load_state(..., exact_data_position=True) or "
         "DataLoaderConfiguration(use_stateful_dataloader=True)",
-        stacklevel=3,
+        stacklevel=2,  # the record names at_epoch_start, as the rank-aware adapter's did
     )
