@@ -7,7 +7,7 @@ import functools
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -26,7 +26,9 @@ from kwplug.checkpoint import (
 from kwplug.utils.dataclasses import ProjectConfiguration
 
 if TYPE_CHECKING:
-    from kwplug.accelerator import Accelerator
+    from kwplug.accelerator._gradient_state import GradientState
+    from kwplug.accelerator._prepare import _Prepared
+    from kwplug.precision import LossScaler
 
 
 class _SavingAPI:
@@ -34,10 +36,17 @@ class _SavingAPI:
     ``register_for_checkpointing``, ``save_state``, ``load_state`` and their pre-hooks of the
     Accelerator (:mod:`kwplug.checkpoint` does the checkpoints' work)."""
 
+    # The Accelerator's attributes this base class reads (set by the facade's __init__),
+    # declared here as the other base classes do: no import of the facade (no circle).
     plugin_manager: KwplugPluginManager
     project_configuration: ProjectConfiguration
     process_index: int
     local_process_index: int
+    num_processes: int
+    device: torch.device
+    scaler: LossScaler | None
+    gradient_state: GradientState
+    _prepared: _Prepared
 
     @property
     def project_dir(self) -> str | None:
@@ -168,12 +177,11 @@ class _SavingAPI:
                 ``TypeError``) an object lacks ``state_dict`` or ``load_state_dict``; the
                 message lists each one by index, and none of ``objects`` is registered.
         """
-        register_for_checkpointing(cast("Accelerator", self)._prepared.custom_objects, *objects)
+        register_for_checkpointing(self._prepared.custom_objects, *objects)
 
     def _checkpoint_sources(self) -> CheckpointSources:
         # What one save_state/load_state reads: kwplug.checkpoint never sees the Accelerator.
-        acc = cast("Accelerator", self)
-        prepared, plugins = acc._prepared, acc.plugin_manager
+        prepared, plugins = self._prepared, self.plugin_manager
 
         def handler_state() -> dict[str, Any]:
             # By registered plugin name, so that each plugin gets its own state back.
@@ -189,18 +197,18 @@ class _SavingAPI:
             optimizers=tuple(prepared.optimizers),
             dataloaders=tuple(prepared.dataloaders),
             custom_objects=tuple(prepared.custom_objects),
-            scaler=acc.scaler,
+            scaler=self.scaler,
             scaler_updates=prepared.scaler_updates,
-            gradient_state=acc.gradient_state,
+            gradient_state=self.gradient_state,
             pre_hooks=self._state_pre_hooks,
-            process_index=acc.process_index,
-            num_processes=acc.num_processes,
-            device=acc.device,
+            process_index=self.process_index,
+            num_processes=self.num_processes,
+            device=self.device,
             # Checkpoints hold the module's own keys, never torch.compile's `_orig_mod.`.
-            unwrap=functools.partial(acc.unwrap_model, keep_torch_compile=False),
+            unwrap=functools.partial(self.unwrap_model, keep_torch_compile=False),
             handler_state=handler_state,
             load_handler_state=load_handler_state,
-            project_configuration=acc.project_configuration,
+            project_configuration=self.project_configuration,
             run=self._checkpoint_run,
             arrivals=self._save_arrivals,
         )
