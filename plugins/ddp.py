@@ -13,7 +13,8 @@ from typing import Any
 import attrs
 import torch
 
-from kwplug import checkpoint, discover
+from kwplug import discover
+from kwplug.attached_state import attach_state
 from kwplug.comm_hooks import CommHook, HookFn, check_hook_signature
 from kwplug.errors import KwplugWarning
 from kwplug.handler import TO_KWARGS, KwargsHandler
@@ -343,7 +344,7 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
             :func:`~kwplug.plugins.ddp_comm_hooks.compose` with ``model.parameters()`` as the
             canonical order), or ``None``. The hook's state, with its record's checkpoint
             rules (:func:`~kwplug.plugins.ddp_comm_hooks.checkpointed_state`), is handed to
-            checkpoints with :func:`kwplug.checkpoint.attach_state`.
+            checkpoints with :func:`kwplug.attached_state.attach_state`.
 
         Raises:
             ValueError: unknown ``comm_hook`` name (lists the known names); ``comm_state_option``
@@ -363,7 +364,7 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
         if hook is not None and record is not None:
             ddp.register_comm_hook(state, hook)
             # Checkpoints save, restore and resize the state by the record's rules.
-            checkpoint.attach_state(ddp, ddp_comm_hooks.checkpointed_state(record, state))
+            attach_state(ddp, ddp_comm_hooks.checkpointed_state(record, state))
         return ddp
 
     @hookimpl

@@ -7,22 +7,28 @@ import functools
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from kwplug._plugins import KwplugPluginManager
 from kwplug.accelerator import _keywords, _saving
-from kwplug.checkpoint import _naming
-from kwplug.checkpoint import _prehooks as prehooks
-from kwplug.checkpoint import _sources as sources
-from kwplug.checkpoint._arrival import SaveArrivals
-from kwplug.checkpoint._runs import RunIdentity
+from kwplug.checkpoint import (
+    CheckpointSources,
+    RunIdentity,
+    SaveArrivals,
+    StatePreHooks,
+    load_project_state,
+    register_for_checkpointing,
+    save_project_state,
+)
 from kwplug.utils.dataclasses import ProjectConfiguration
 
 if TYPE_CHECKING:
-    from kwplug.accelerator import Accelerator
+    from kwplug.accelerator._gradient_state import GradientState
+    from kwplug.accelerator._prepare import _Prepared
+    from kwplug.precision import LossScaler
 
 
 class _SavingAPI:
@@ -30,10 +36,17 @@ class _SavingAPI:
     ``register_for_checkpointing``, ``save_state``, ``load_state`` and their pre-hooks of the
     Accelerator (:mod:`kwplug.checkpoint` does the checkpoints' work)."""
 
+    # The Accelerator's attributes this base class reads (set by the facade's __init__),
+    # declared here as the other base classes do: no import of the facade (no circle).
     plugin_manager: KwplugPluginManager
     project_configuration: ProjectConfiguration
     process_index: int
     local_process_index: int
+    num_processes: int
+    device: torch.device
+    scaler: LossScaler | None
+    gradient_state: GradientState
+    _prepared: _Prepared
 
     @property
     def project_dir(self) -> str | None:
@@ -102,8 +115,8 @@ class _SavingAPI:
     # -- checkpoints ------------------------------------------------------------------------
 
     @functools.cached_property
-    def _state_pre_hooks(self) -> prehooks.StatePreHooks:
-        return prehooks.StatePreHooks()
+    def _state_pre_hooks(self) -> StatePreHooks:
+        return StatePreHooks()
 
     @functools.cached_property
     def _checkpoint_run(self) -> RunIdentity:
@@ -135,7 +148,7 @@ class _SavingAPI:
             TypeError: ``hook`` is not callable.
             NotImplementedError: (from :meth:`save_state`) a prepared model is sharded.
         """
-        return prehooks.register(self._state_pre_hooks.save, hook)
+        return self._state_pre_hooks.register_save(hook)
 
     def register_load_state_pre_hook(
         self, hook: Callable[..., None]
@@ -153,7 +166,7 @@ class _SavingAPI:
             TypeError: ``hook`` is not callable.
             NotImplementedError: (from :meth:`load_state`) a prepared model is sharded.
         """
-        return prehooks.register(self._state_pre_hooks.load, hook)
+        return self._state_pre_hooks.register_load(hook)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include ``objects`` (each with ``state_dict()`` and ``load_state_dict()``, e.g. an
@@ -164,12 +177,11 @@ class _SavingAPI:
                 ``TypeError``) an object lacks ``state_dict`` or ``load_state_dict``; the
                 message lists each one by index, and none of ``objects`` is registered.
         """
-        sources.register(cast("Accelerator", self)._prepared.custom_objects, *objects)
+        register_for_checkpointing(self._prepared.custom_objects, *objects)
 
-    def _checkpoint_sources(self) -> sources.CheckpointSources:
+    def _checkpoint_sources(self) -> CheckpointSources:
         # What one save_state/load_state reads: kwplug.checkpoint never sees the Accelerator.
-        acc = cast("Accelerator", self)
-        prepared, plugins = acc._prepared, acc.plugin_manager
+        prepared, plugins = self._prepared, self.plugin_manager
 
         def handler_state() -> dict[str, Any]:
             # By registered plugin name, so that each plugin gets its own state back.
@@ -180,23 +192,23 @@ class _SavingAPI:
             for name, state in saved.items():
                 plugins.each_of(name).load_handler_state(state=state)
 
-        return sources.CheckpointSources(
+        return CheckpointSources(
             models=tuple(prepared.models),
             optimizers=tuple(prepared.optimizers),
             dataloaders=tuple(prepared.dataloaders),
             custom_objects=tuple(prepared.custom_objects),
-            scaler=acc.scaler,
+            scaler=self.scaler,
             scaler_updates=prepared.scaler_updates,
-            gradient_state=acc.gradient_state,
+            gradient_state=self.gradient_state,
             pre_hooks=self._state_pre_hooks,
-            process_index=acc.process_index,
-            num_processes=acc.num_processes,
-            device=acc.device,
+            process_index=self.process_index,
+            num_processes=self.num_processes,
+            device=self.device,
             # Checkpoints hold the module's own keys, never torch.compile's `_orig_mod.`.
-            unwrap=functools.partial(acc.unwrap_model, keep_torch_compile=False),
+            unwrap=functools.partial(self.unwrap_model, keep_torch_compile=False),
             handler_state=handler_state,
             load_handler_state=load_handler_state,
-            project_configuration=acc.project_configuration,
+            project_configuration=self.project_configuration,
             run=self._checkpoint_run,
             arrivals=self._save_arrivals,
             # How sharded models are saved: the wrapping plugin's state_dict_type, if any
@@ -277,7 +289,7 @@ class _SavingAPI:
                 with parameters outside that model.
         """
         _keywords.check_save_state(safe_serialization, save_model_func_kwargs)
-        return _naming.save(self._checkpoint_sources(), output_dir)
+        return save_project_state(self._checkpoint_sources(), output_dir)
 
     def load_state(
         self,
@@ -355,4 +367,4 @@ class _SavingAPI:
         checkpoint = attrs.evolve(
             self._checkpoint_sources(), exact_data_position=exact_data_position
         )
-        return _naming.load(checkpoint, input_dir)
+        return load_project_state(checkpoint, input_dir)

@@ -22,7 +22,7 @@ import torch
 from kwplug._plugins import KwplugPluginManager
 from kwplug._runtime import unwrap as unwrap  # unwrap_model's, shared with kwplug.utils
 from kwplug._umask import follow_umask
-from kwplug.checkpoint._sharded import full_model_state, is_sharded
+from kwplug.checkpoint import full_model_state, is_sharded
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ def _warn_other_folder(what: str, mine: Path, first: Path) -> None:
 
 
 def _solo_entries(
-    acc: CheckpointSources, entries: list[plan.Entry], directory: Path
+    sources: CheckpointSources, entries: list[plan.Entry], directory: Path
 ) -> list[plan.Entry]:
     # A save by the main process alone: a sharded model's (or its optimizer's) state is
     # gathered from every rank's shards, which the other ranks, not in save_state, never send.
@@ -95,12 +95,15 @@ def save_state(
     """Save ``sources`` into a new version folder of ``output_dir`` (every rank calls it);
     see ``Accelerator.save_state``. ``locked`` is called on the main process once it holds
     the folder's lock, before anything is staged (automatic naming tags the folder there)."""
-    acc = sources
     if not os.fspath(output_dir):
         raise ValueError("save_state needs a checkpoint directory, got an empty path")
     directory = Path(output_dir).absolute()
-    entries = _solo_entries(acc, plan.entries(acc), directory) if acc.solo else plan.entries(acc)
-    main = acc.is_main_process
+    entries = (
+        _solo_entries(sources, plan.entries(sources), directory)
+        if sources.solo
+        else plan.entries(sources)
+    )
+    main = sources.is_main_process
     with contextlib.ExitStack() as held:
         staging: Path | None = None
         error: str | None = None
@@ -114,7 +117,7 @@ def save_state(
                 staging = commit.begin(directory)
             except (OSError, CheckpointError) as exc:
                 error = _failed(exc, f"saving a checkpoint into {directory}")
-        shared = _share(acc, (staging and str(staging), error, str(directory)))
+        shared = _share(sources, (staging and str(staging), error, str(directory)))
         staging_name, error, first = shared[0]
         if error is not None:
             raise CheckpointError(error, directory)
@@ -122,10 +125,10 @@ def save_state(
             _warn_other_folder("save_state", directory, Path(first))
         staging = Path(staging_name)
         try:
-            entries, error = prehooks.saving(acc, entries, staging)  # the user's save hooks
+            entries, error = prehooks.saving(sources, entries, staging)  # the user's save hooks
         except BaseException:  # a hook raised: nothing of this save may stay behind
             if main:
-                prehooks.abort(acc, staging)
+                commit.abort(staging, hooks_wrote=bool(sources.pre_hooks.save))
             raise
         records: dict[str, tuple[int, str]] = {}
         for entry in entries:
@@ -141,7 +144,7 @@ def save_state(
                 continue
             if entry.sparse and not state:
                 continue
-            if acc.solo and isinstance(entry.target, PendingAccumulation):
+            if sources.solo and isinstance(entry.target, PendingAccumulation):
                 _warn_pending_dropped(staging)
                 continue
             try:  # written tensor by tensor, then hashed in chunks
@@ -149,21 +152,21 @@ def save_state(
                 records[entry.file] = codec.write_state(file, state, {"class": entry.kind})
             except (OSError, TypeError) as exc:
                 error = f"{_failed(exc, f'writing {staging / entry.file}')}"
-        shared = _share(acc, (records, error))
+        shared = _share(sources, (records, error))
         errors = [e for _, e in shared if e is not None]
         if main:
             try:
                 if not errors:
                     written = {k: v for r, _ in shared for k, v in r.items()}
-                    solo = acc.num_processes if acc.solo else None
-                    records = prehooks.with_written(acc, staging, written)
+                    solo = sources.num_processes if sources.solo else None
+                    records = prehooks.with_written(sources, staging, written)
                     commit.finish(staging, records, main_only=solo)
             except (OSError, CheckpointError) as exc:
                 errors.append(_failed(exc, f"committing {staging}"))
             if errors:
-                prehooks.abort(acc, staging)
+                commit.abort(staging, hooks_wrote=bool(sources.pre_hooks.save))
             commit.reached("unlock")
-        errors = [e for group in _share(acc, errors) for e in group]
+        errors = [e for group in _share(sources, errors) for e in group]
     if errors:
         raise CheckpointError(
             f"saving a checkpoint into {directory} failed; the unfinished version was removed "
@@ -202,13 +205,13 @@ def _later(entry: plan.Entry) -> bool:
 
 
 def _read(
-    acc: CheckpointSources, directory: Path, entries: list[plan.Entry]
+    sources: CheckpointSources, directory: Path, entries: list[plan.Entry]
 ) -> tuple[dict[str, Any], dict[str, manifest.Record]]:
     """Verify every file this rank needs and check it against its object: nothing is loaded
     yet. Returns the decoded states (:data:`LATER` for those decoded when loaded), and the
     manifest's records."""
     records = manifest.read(directory)
-    main = acc.is_main_process
+    main = sources.is_main_process
     shards = [e for e in entries if e.scope == "sharded"]  # verified by _dcp.py
     entries = [e for e in entries if e.scope != "sharded"]
     wanted = {e.file for e in entries if e.scope != "collective" or main}
@@ -235,11 +238,11 @@ def _read(
     # Two files at a time (threads); shapes only for those decoded when loaded.
     files = [(directory / n, records[n], n in later or n not in wanted) for n in names]
     states: dict[str, Any] = dict(zip(names, reader.read_states(files), strict=True))
-    modules = acc.modules()
+    modules = sources.modules()
     for entry in entries:
         if entry.file in states:
             state, meta = states[entry.file]
-            states[entry.file] = (resize.adapt_optimizer(entry.target, state, modules), meta)
+            states[entry.file] = (_adapted(entry.target, state, modules), meta)
             _check(directory / entry.file, entry, *states[entry.file])
     kept = {e.file for e in entries if e.file in states and e.file in wanted}
     for entry in shards:
@@ -248,13 +251,33 @@ def _read(
 
 
 def _decoded(
-    acc: CheckpointSources, directory: Path, records: dict[str, manifest.Record], entry: plan.Entry
+    sources: CheckpointSources,
+    directory: Path,
+    records: dict[str, manifest.Record],
+    entry: plan.Entry,
 ) -> Any:
     # The state of a LATER entry, decoded from its file and verified over the decoded bytes.
     state, meta = reader.read_state(directory / entry.file, records[entry.file])
-    state = resize.adapt_optimizer(entry.target, state, acc.modules())
+    state = _adapted(entry.target, state, sources.modules())
     _check(directory / entry.file, entry, state, meta)
     return state
+
+
+def _adapted(target: Any, state: Any, modules: list[torch.nn.Module]) -> Any:
+    # ``state``, read for ``target`` (an entry's object), keyed as ``target`` loads it: an
+    # FSDP2 run's optimizer file into a plain optimizer (one process) and a plain run's into a
+    # sharded model's optimizer (:mod:`._resize`). Anything else is returned unchanged.
+    if isinstance(target, ShardedOptimizerState):
+        return (
+            resize.to_named_optimizer_state(state, target.optimizer, target.module)
+            if state
+            else state
+        )
+    if not isinstance(target, torch.optim.Optimizer) or not isinstance(state, dict):
+        return state
+    first = next((p for g in target.param_groups for p in g["params"]), None)
+    owner = next((m for m in modules if any(p is first for p in m.parameters())), None)
+    return resize.adapt_optimizer_state(state, target, owner)
 
 
 def _check(path: Path, entry: plan.Entry, state: Any, meta: dict[str, str]) -> None:
@@ -274,7 +297,6 @@ def _check(path: Path, entry: plan.Entry, state: Any, meta: dict[str, str]) -> N
 def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) -> Path:
     """Verify the newest complete version of ``input_dir``, then load it into ``sources``
     (every rank calls it); see ``Accelerator.load_state``."""
-    acc = sources
     if not os.fspath(input_dir):
         raise ValueError("load_state needs a checkpoint directory, got an empty path")
     directory = commit.resolve_checkpoint(input_dir)
@@ -294,7 +316,7 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
     # A run saves one checkpoint, into process 0's folder, even where each process passed
     # its own (as Accelerate's test scripts do, with one TemporaryDirectory per process):
     # a process whose folder holds none loads process 0's, which holds this process's files.
-    found = _share(acc, (missing, str(Path(input_dir).absolute())))
+    found = _share(sources, (missing, str(Path(input_dir).absolute())))
     first = Path(found[0][1])
     if missing is not None and found[0][0] is None and first != Path(input_dir).absolute():
         directory = commit.resolve_checkpoint(first)
@@ -302,7 +324,7 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
             missing = None
             _warn_other_folder("load_state", Path(input_dir).absolute(), first)
     # Every rank must find one (each may pass its own path): else all raise, none waits.
-    absent = [(r, m) for r, m in enumerate(_share(acc, missing)) if m is not None]
+    absent = [(r, m) for r, m in enumerate(_share(sources, missing)) if m is not None]
     if missing is not None or directory is None:
         raise FileNotFoundError(missing)
     if absent:
@@ -311,20 +333,20 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
             f"rank {rank} found {message}; every process must load a checkpoint (the same "
             "one: the processes of a run load one checkpoint together)"
         )
-    entries = plan.entries(acc)
+    entries = plan.entries(sources)
     error: CheckpointError | None = None
     try:  # saved by another number of processes: every rank reads rank 0's file
         records = manifest.read(directory)
-        if acc.is_main_process:  # a save killed before its links: point them here
+        if sources.is_main_process:  # a save killed before its links: point them here
             links.repair(directory.parent, directory, records)
         solo = manifest.main_only(directory)  # saved by the main process alone: rank_0 only
-        entries = resize.rank_entries(entries, records, acc.num_processes, solo)
-        entries = dcp.match_saved(acc, entries, records)  # shards or full
-        entries = prehooks.loading(acc, entries, directory)  # the user's load hooks
-        states, records = _read(acc, directory, entries)
+        entries = resize.rank_entries(entries, records, sources.num_processes, solo)
+        entries = dcp.match_saved(sources, entries, records)  # shards or full
+        entries = prehooks.loading(sources, entries, directory)  # the user's load hooks
+        states, records = _read(sources, directory, entries)
     except CheckpointError as exc:
         error = exc
-    others = [e for e in _share(acc, None if error is None else str(error)) if e is not None]
+    others = [e for e in _share(sources, None if error is None else str(error)) if e is not None]
     if error is not None:
         raise error
     if others:
@@ -342,13 +364,13 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
             continue  # after a refusal, only what every rank takes part in
         state = states.pop(entry.file, {})  # held no longer than its load
         try:  # a file changed in place since it was verified is refused, never loaded
-            state = _decoded(acc, directory, records, entry) if state is LATER else state
+            state = _decoded(sources, directory, records, entry) if state is LATER else state
         except CheckpointError as exc:
             error = exc
             continue
         entry.target.load_state_dict(state)
         del state  # one file's tensors at a time
-    others = [e for e in _share(acc, None if error is None else str(error)) if e is not None]
+    others = [e for e in _share(sources, None if error is None else str(error)) if e is not None]
     if error is not None:
         raise error
     if others:

@@ -37,6 +37,8 @@ from pathlib import Path
 from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _links as links
+from kwplug.checkpoint import _manifest as manifest
+from kwplug.checkpoint import _reader as reader
 from kwplug.errors import CheckpointError, KwplugWarning
 
 STEPS = ("lock", "clean", "stage", "manifest", "mark", "link", "prune", "unlock")
@@ -83,16 +85,33 @@ def resolve_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     return complete[-1] if complete else None
 
 
-def _owned(folder: Path) -> bool:
-    # Only a folder of kwplug's own regular files (and of those its manifest lists: what
-    # save_state pre-hooks wrote) is deleted: never anything of the user's.
-    from kwplug.checkpoint import _prehooks as prehooks
+def listed(folder: Path) -> set[str]:
+    """The files ``folder``'s manifest lists (empty when it has none or it is unreadable)."""
+    path = folder / layout.MANIFEST
+    try:  # read_small: a FIFO planted as the manifest is never read
+        return set(manifest.parse(reader.read_small(path, limit=manifest.LIMIT), path))
+    except (CheckpointError, OSError):
+        return set()
 
-    return prehooks.owned(folder)
+
+def owned(folder: Path) -> bool:
+    """True when ``folder`` holds only regular files: kwplug's own names (safetensors'
+    temporary files among them), and those its manifest lists (what save hooks wrote); only
+    such a version folder is ever deleted (never anything of the user's)."""
+    extra = listed(folder)
+    for name in manifest.files(folder):
+        path = folder / name
+        if path.is_symlink() or not path.is_file():
+            return False
+        if not (layout.is_own_file(name) or layout.is_writer_temp(name) or name in extra):
+            return False
+    return True
 
 
-def _discard(folder: Path, number: int) -> None:
-    if not _owned(folder):
+def _discard(folder: Path, number: int, *, checked: bool = True) -> None:
+    # ``checked``: only a folder :func:`owned` holds is deleted; else the folder is this
+    # save's own (see :func:`abort`).
+    if checked and not owned(folder):
         return  # a folder under kwplug's name holding something else: left alone
     trash = folder.with_name(layout.trash_name(number, os.getpid()))
     os.replace(folder, trash)  # atomic: from here on nothing reads it
@@ -105,7 +124,7 @@ def begin(directory: Path) -> Path:
     reached("clean")
     for child in directory.iterdir():
         number = layout.trash_number(child.name)
-        if number is not None and child.is_dir() and not child.is_symlink() and _owned(child):
+        if number is not None and child.is_dir() and not child.is_symlink() and owned(child):
             shutil.rmtree(child)
     existing = versions(directory)
     for number, folder in existing.items():
@@ -145,8 +164,6 @@ def finish(
 ) -> None:
     """Steps ``manifest``, ``mark`` and ``prune`` (the lock is held); ``main_only``: the
     number of processes of a run whose main process saved alone (kept in the manifest)."""
-    from kwplug.checkpoint import _manifest as manifest
-
     reached("manifest")
     manifest.write(staging, records, main_only=main_only)
     reached("mark")
@@ -177,11 +194,14 @@ def finish(
         links.clean(staging.parent)
 
 
-def abort(staging: Path) -> None:
-    """Remove the version folder of a failed save (nothing but kwplug's files is removed)."""
+def abort(staging: Path, *, hooks_wrote: bool = False) -> None:
+    """Remove the version folder of a failed save: nothing but kwplug's files is removed,
+    unless ``hooks_wrote`` (``save_state`` pre-hooks ran, and may have written files no
+    manifest lists yet): then the whole folder, this save's own (created moments ago by
+    :func:`begin`), goes with what they wrote."""
     number = layout.version_number(staging.name)
     if staging.is_dir() and number is not None:
-        _discard(staging, number)
+        _discard(staging, number, checked=not hooks_wrote)
 
 
 def check_directory(directory: Path) -> None:

@@ -97,7 +97,7 @@ def _only_kwplug_files(folder: Path) -> bool:
         if (child.name == layout.LOCK or runs.is_run_file(child.name)) and child.is_file():
             continue
         ours = (layout.version_number(child.name), layout.trash_number(child.name))
-        if ours == (None, None) or not child.is_dir() or not commit._owned(child):
+        if ours == (None, None) or not child.is_dir() or not commit.owned(child):
             return False
     return True
 

@@ -17,11 +17,15 @@ here), or for any prepared loader with ``load_state(..., exact_data_position=Tru
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from kwplug.logging import get_logger
+from kwplug._environment import ProcessInfo
 
-logger = get_logger("kwplug.checkpoint")
+# The standard library's logger, not kwplug.logging's rank-aware adapter: that module is
+# Accelerate's ``accelerate.logging``, a layer above the checkpoint package
+# (tests/gates/test_layers.py). The message is the adapter's: main process, ``[RANK 0] ``.
+logger = logging.getLogger("kwplug.checkpoint")
 
 
 def is_stateful(loader: Any) -> bool:
@@ -55,13 +59,19 @@ def at_epoch_start(index: int, position: dict[str, Any]) -> dict[str, Any]:
     if not done:
         return position
     epoch = int(position.get("epoch") or 0)
+    # The main process says it, once (the ranks read only when the record would be emitted).
+    if logger.isEnabledFor(logging.INFO) and ProcessInfo.current().rank == 0:
+        _say_restarted(index, done, epoch)
+    return {**position, "batches_yielded": 0, "offset": 0}
+
+
+def _say_restarted(index: int, done: int, epoch: int) -> None:
     logger.info(
-        f"load_state: prepared data loader {index} was saved after {done} batch(es) of epoch "
-        f"{epoch}; it starts that epoch at batch 0, as Accelerate's (the same order: the "
+        f"[RANK 0] load_state: prepared data loader {index} was saved after {done} batch(es) "
+        f"of epoch {epoch}; it starts that epoch at batch 0, as Accelerate's (the same order: the "
         f"saved one). Skip them as under Accelerate (accelerator.skip_first_batches(loader, "
         f"{done}), which draws the epoch's order afresh as Accelerate's does), or resume at "
         "the exact batch with load_state(..., exact_data_position=True) or "
         "DataLoaderConfiguration(use_stateful_dataloader=True)",
-        main_process_only=True,
+        stacklevel=2,  # the record names at_epoch_start, as the rank-aware adapter's did
     )
-    return {**position, "batches_yielded": 0, "offset": 0}

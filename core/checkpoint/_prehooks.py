@@ -17,48 +17,19 @@ On load, once every file of the version is verified, every rank calls each hook 
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import attrs
-import torch
-from torch.utils.hooks import RemovableHandle
 
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _manifest as manifest
 from kwplug.checkpoint import _reader as reader
 from kwplug.checkpoint import _sharded as sharded
 from kwplug.checkpoint._checks import qualified_name
+from kwplug.checkpoint._plan import Entry
 from kwplug.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from kwplug.checkpoint._plan import Entry
     from kwplug.checkpoint._sources import CheckpointSources
-
-SaveHook = Callable[[list[torch.nn.Module], list[dict[str, Any]], str], None]
-LoadHook = Callable[[list[torch.nn.Module], str], None]
-
-
-@attrs.define
-class StatePreHooks:
-    """An Accelerator's registered hooks, by ``RemovableHandle`` id (``OrderedDict``s: the
-    handle holds a weak reference to its dict, which a plain ``dict`` cannot have)."""
-
-    save: OrderedDict[int, SaveHook] = attrs.Factory(OrderedDict)
-    load: OrderedDict[int, LoadHook] = attrs.Factory(OrderedDict)
-
-
-def register(hooks: OrderedDict[int, Any], hook: Callable[..., None]) -> RemovableHandle:
-    """Add ``hook`` to ``hooks``; ``remove()`` on the returned handle takes it out."""
-    if not callable(hook):
-        raise TypeError(f"a state pre-hook must be callable, got {type(hook).__qualname__}")
-    handle = RemovableHandle(hooks)
-    hooks[handle.id] = hook
-    return handle
 
 
 class _Weights:
@@ -74,10 +45,10 @@ class _Weights:
         raise NotImplementedError("saved weights are loaded into their model")  # never called
 
 
-def _refuse_sharded(acc: CheckpointSources, what: str) -> None:
+def _refuse_sharded(sources: CheckpointSources, what: str) -> None:
     # A sharded model's state dict is gathered collectively: a hook that drops it on some
     # ranks (diffusers' pop on the main process only) would leave the others waiting.
-    for module in acc.modules():
+    for module in sources.modules():
         if sharded.is_sharded(module):
             raise NotImplementedError(
                 f"register_{what}_state_pre_hook with a sharded model "
@@ -91,17 +62,15 @@ def _is_model_entry(entry: Entry, count: int) -> bool:
 
 
 def saving(
-    acc: CheckpointSources, entries: list[Entry], staging: Path
+    sources: CheckpointSources, entries: list[Entry], staging: Path
 ) -> tuple[list[Entry], str | None]:
     """Run the save hooks (every rank) and replace the model entries by the weights they
     left; also an error message when a hook wrote a name kwplug writes itself."""
-    hooks = acc.pre_hooks.save
+    hooks = sources.pre_hooks.save
     if not hooks:
         return entries, None
-    from kwplug.checkpoint._plan import Entry
-
-    _refuse_sharded(acc, "save")
-    modules = acc.modules()
+    _refuse_sharded(sources, "save")
+    modules = sources.modules()
     weights: list[dict[str, Any]] = [m.state_dict() for m in modules]
     kinds = {id(w): qualified_name(m) for w, m in zip(weights, modules, strict=True)}
     for hook in list(hooks.values()):  # the models before DDP wrapping, as Accelerate's
@@ -111,7 +80,7 @@ def saving(
         for j, w in enumerate(weights)
     ]
     planned = kept + [e for e in entries if not _is_model_entry(e, len(modules))]
-    if not acc.is_main_process:
+    if not sources.is_main_process:
         return planned, None
     # Names the main process writes next (other ranks may have written theirs already).
     clash = sorted({e.file for e in planned} & {p.name for p in staging.iterdir()})
@@ -121,7 +90,7 @@ def saving(
 
 
 def with_written(
-    acc: CheckpointSources, staging: Path, records: dict[str, manifest.Record]
+    sources: CheckpointSources, staging: Path, records: dict[str, manifest.Record]
 ) -> dict[str, manifest.Record]:
     """``records`` and a record for each file the save hooks wrote into ``staging``.
 
@@ -129,7 +98,7 @@ def with_written(
         CheckpointError: a hook wrote something else than regular files in folders (a link,
             a FIFO, an empty folder), or a name kwplug writes itself.
     """
-    if not acc.pre_hooks.save:
+    if not sources.pre_hooks.save:
         return records
     out = dict(records)
     for name in sorted(manifest.files(staging) - records.keys()):
@@ -142,65 +111,26 @@ def with_written(
     return out
 
 
-def abort(acc: CheckpointSources, staging: Path) -> None:
-    """Remove the version folder of a failed save; with save hooks, also what they wrote
-    there (the folder is this save's: kwplug created it moments ago)."""
-    from kwplug.checkpoint import _commit as commit
-
-    number = layout.version_number(staging.name)
-    if not acc.pre_hooks.save or number is None or not staging.is_dir():
-        commit.abort(staging)
-        return
-    trash = staging.with_name(layout.trash_name(number, os.getpid()))
-    os.replace(staging, trash)  # atomic, as commit's: from here on nothing reads it
-    shutil.rmtree(trash)
-
-
-def loading(acc: CheckpointSources, entries: list[Entry], directory: Path) -> list[Entry]:
+def loading(sources: CheckpointSources, entries: list[Entry], directory: Path) -> list[Entry]:
     """Verify every file of ``directory`` (also those the save hooks wrote), then run the load
     hooks (every rank) and replace the model entries by the models they left, in order.
 
     Raises:
         CheckpointError: a file is missing, not listed, truncated or altered.
     """
-    hooks = acc.pre_hooks.load
+    hooks = sources.pre_hooks.load
     if not hooks:
         return entries
-    from kwplug.checkpoint._plan import Entry
-
-    _refuse_sharded(acc, "load")
+    _refuse_sharded(sources, "load")
     records = manifest.read(directory)
     for name in sorted(records):  # in chunks: never a whole file in memory
         reader.verify(directory / name, records[name])
-    models = acc.modules()  # before DDP wrapping, as Accelerate's (save_pretrained works)
+    models = sources.modules()  # before DDP wrapping, as Accelerate's (save_pretrained works)
     count = len(models)
     for hook in list(hooks.values()):
         hook(models, str(directory))
     kept = []
     for j, model in enumerate(models):
-        module = acc.unwrap(model)
+        module = sources.unwrap(model)
         kept.append(Entry(layout.model_file(j), module, "main", qualified_name(module)))
     return kept + [e for e in entries if not _is_model_entry(e, count)]
-
-
-def listed(folder: Path) -> set[str]:
-    """The files ``folder``'s manifest lists (empty when it has none or it is unreadable)."""
-    path = folder / layout.MANIFEST
-    try:  # read_small: a FIFO planted as the manifest is never read
-        return set(manifest.parse(reader.read_small(path, limit=manifest.LIMIT), path))
-    except (CheckpointError, OSError):
-        return set()
-
-
-def owned(folder: Path) -> bool:
-    """True when ``folder`` holds only regular files: kwplug's own names (safetensors'
-    temporary files among them), and those its manifest lists (what save hooks wrote); only
-    such a version folder is ever deleted."""
-    extra = listed(folder)
-    for name in manifest.files(folder):
-        path = folder / name
-        if path.is_symlink() or not path.is_file():
-            return False
-        if not (layout.is_own_file(name) or layout.is_writer_temp(name) or name in extra):
-            return False
-    return True

@@ -33,6 +33,7 @@ import attrs
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+from kwplug.attached_state import load_hook_state, state_label
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _rng as rng
 from kwplug.data import DispatchedDataLoader, PreparedDataLoader
@@ -187,8 +188,6 @@ def load_resized_hooks(
         saved: per model, the saved rank 0's snapshots (``None`` for a stateless hook).
         sizes: ``(old_world_size, new_world_size)``.
     """
-    from kwplug.checkpoint._stateful import load_hook_state, state_label
-
     old, new = sizes
     named: list[str] = []
     for index, snapshots in enumerate(saved):
@@ -224,21 +223,6 @@ def load_resized_hooks(
 def _saved_name(snapshot: Mapping[str, Any]) -> str:
     label = snapshot.get("label")
     return label if isinstance(label, str) and label else "a communication hook's state"
-
-
-def adapt_optimizer(target: Any, state: Any, modules: Sequence[torch.nn.Module]) -> Any:
-    """``state``, read for ``target`` (a checkpoint entry's object), keyed as ``target``
-    loads it: an FSDP2 run's optimizer file into a plain optimizer (one process) and a plain
-    run's into a sharded model's optimizer. Anything else is returned unchanged."""
-    from kwplug.checkpoint._stateful import ShardedOptimizerState
-
-    if isinstance(target, ShardedOptimizerState) and state:
-        return to_named_optimizer_state(state, target.optimizer, target.module)
-    if not isinstance(target, torch.optim.Optimizer) or not isinstance(state, dict):
-        return state
-    first = next((p for g in target.param_groups for p in g["params"]), None)
-    owner = next((m for m in modules if any(p is first for p in m.parameters())), None)
-    return adapt_optimizer_state(state, target, owner)
 
 
 def adapt_optimizer_state(

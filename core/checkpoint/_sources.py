@@ -11,12 +11,14 @@ without the trainer and the trainer without it.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 
 from kwplug.checkpoint._arrival import SaveArrivals
 from kwplug.checkpoint._runs import RunIdentity
@@ -24,9 +26,11 @@ from kwplug.errors import NotCheckpointableError
 from kwplug.optimizer import AcceleratedOptimizer, ScalerUpdates
 from kwplug.utils.dataclasses import ProjectConfiguration
 
-if TYPE_CHECKING:
-    from kwplug.checkpoint._prehooks import StatePreHooks
-    from kwplug.checkpoint._stateful import Stateful
+if TYPE_CHECKING:  # torch's protocol: state_dict() and load_state_dict(state)
+    from torch.distributed.checkpoint.stateful import Stateful
+
+SaveHook = Callable[[list[torch.nn.Module], list[dict[str, Any]], str], None]
+LoadHook = Callable[[list[torch.nn.Module], str], None]
 
 
 class GradientPosition(Protocol):
@@ -44,6 +48,40 @@ class GradientPosition(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at a position from :meth:`state_dict`."""
         ...
+
+
+@attrs.define
+class StatePreHooks:
+    """An Accelerator's ``save_state``/``load_state`` pre-hooks (run by
+    :mod:`kwplug.checkpoint._prehooks`), by ``RemovableHandle`` id (``OrderedDict``s: the
+    handle holds a weak reference to its dict, which a plain ``dict`` cannot have)."""
+
+    save: OrderedDict[int, SaveHook] = attrs.Factory(OrderedDict)
+    load: OrderedDict[int, LoadHook] = attrs.Factory(OrderedDict)
+
+    def register_save(self, hook: SaveHook) -> RemovableHandle:
+        """Add a save hook; ``remove()`` on the returned handle takes it out.
+
+        Raises:
+            TypeError: ``hook`` is not callable.
+        """
+        return _register(self.save, hook)
+
+    def register_load(self, hook: LoadHook) -> RemovableHandle:
+        """Add a load hook; ``remove()`` on the returned handle takes it out.
+
+        Raises:
+            TypeError: ``hook`` is not callable.
+        """
+        return _register(self.load, hook)
+
+
+def _register(hooks: OrderedDict[int, Any], hook: Callable[..., None]) -> RemovableHandle:
+    if not callable(hook):
+        raise TypeError(f"a state pre-hook must be callable, got {type(hook).__qualname__}")
+    handle = RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
 
 
 @attrs.frozen(kw_only=True)

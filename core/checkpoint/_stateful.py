@@ -1,7 +1,8 @@
 """Adapters that make what an ``Accelerator`` prepared checkpointable through torch's
 ``Stateful`` protocol (``torch.distributed.checkpoint.stateful.Stateful``: ``state_dict()``
-and ``load_state_dict(state)``), and the registry through which wrapper plugins hand their
-per-rank state (e.g. a DDP communication hook's) to the checkpoint code.
+and ``load_state_dict(state)``). The registry through which wrapper plugins hand their
+per-rank state (e.g. a DDP communication hook's) lives below the plugins, in
+:mod:`kwplug.attached_state`; :class:`RankState` saves it.
 
 Adding something to checkpoints means one adapter here and one entry in
 :func:`kwplug.checkpoint._plan.entries`.
@@ -10,7 +11,6 @@ Adding something to checkpoints means one adapter here and one entry in
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader
 
+from kwplug.attached_state import attached_states, hook_state_dict, load_hook_state
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _position
 from kwplug.checkpoint import _resize as resize
@@ -25,34 +26,6 @@ from kwplug.checkpoint import _rng as rng
 from kwplug.checkpoint import _sharded as sharded
 from kwplug.data import PreparedDataLoader
 from kwplug.errors import CheckpointError, KwplugWarning
-
-_ATTACHED: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
-
-
-def attach_state(module: torch.nn.Module, state: Any) -> None:
-    """Save ``state`` with ``module`` in every checkpoint, on every rank.
-
-    For wrapper plugins whose wrapper holds per-rank state the model's ``state_dict`` does not
-    cover: the DDP handler attaches the state of the communication hook it registered, with
-    that hook's rules. ``state`` is saved through its ``state_dict()`` if it has one, else
-    through a custom ``__getstate__``; a process group is never saved. Resuming on another
-    number of processes, ``state.resize_state_dict(saved, old_world_size, new_world_size)``
-    (if any) says what it loads of the saved rank 0's state, and ``state.resize_note`` what
-    that loses (see :func:`kwplug.checkpoint._resize.load_resized_hooks`); ``state.label``,
-    if a ``str``, names it in messages. Call it once per state, in the same order on every
-    run, after wrapping.
-
-    Args:
-        module: the wrapped model a plugin's ``wrap_model`` returned.
-        state: the object whose state to save; ``None`` is ignored.
-    """
-    if state is not None:
-        _ATTACHED.setdefault(module, []).append(state)
-
-
-def attached_states(module: torch.nn.Module) -> list[Any]:
-    """What :func:`attach_state` attached to ``module``, in order."""
-    return list(_ATTACHED.get(module, ()))
 
 
 class Stateful(Protocol):
@@ -65,46 +38,6 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         ...
-
-
-def state_label(state: Any) -> str:
-    """How messages name an attached state: its ``label`` (a ``str``) or its class."""
-    label = getattr(state, "label", None)
-    return label if isinstance(label, str) and label else type(state).__qualname__
-
-
-def hook_state_dict(state: Any) -> Any:
-    """A snapshot of an attached state (a DDP communication hook's), or ``None`` if stateless.
-
-    States with ``state_dict()`` use it; others a custom ``__getstate__`` (which should leave
-    out any process group). Either must hold only what :mod:`kwplug.checkpoint._codec` stores
-    (a NumPy random state is). The snapshot also records the state's :func:`state_label`.
-    """
-    if state is None or isinstance(state, torch.distributed.ProcessGroup):
-        return None
-    label = state_label(state)
-    if callable(getattr(state, "state_dict", None)):
-        return {"kind": "state_dict", "value": state.state_dict(), "label": label}
-    getstate: Callable[[], Any] | None = getattr(type(state), "__getstate__", None)
-    if getstate is not None and getstate is not getattr(object, "__getstate__", None):
-        return {"kind": "getstate", "value": state.__getstate__(), "label": label}
-    return None
-
-
-def load_hook_state(state: Any, saved: Any) -> None:
-    """Restore a snapshot from :func:`hook_state_dict` into the live hook ``state``: through
-    its ``load_state_dict`` when it has one (whatever the snapshot's kind, so that a state
-    saved through ``__getstate__`` loads into one that now declares its rules), else
-    ``__setstate__`` keeping the live ``process_group``."""
-    if saved is None:
-        return
-    if saved["kind"] == "state_dict" or callable(getattr(state, "load_state_dict", None)):
-        state.load_state_dict(saved["value"])
-    else:
-        process_group = getattr(state, "process_group", None)
-        state.__setstate__(saved["value"])
-        if process_group is not None:  # keep the live group, not the default one
-            state.process_group = process_group
 
 
 class ShardedModelState:

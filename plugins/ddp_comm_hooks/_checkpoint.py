@@ -1,5 +1,5 @@
 """A communication hook's live state with its record's checkpoint rules, for
-:func:`kwplug.checkpoint.attach_state`.
+:func:`kwplug.attached_state.attach_state`.
 
 The checkpoint code knows no hook: it saves, restores and resizes what is attached through
 ``state_dict()``, ``load_state_dict(saved)`` and, when present,

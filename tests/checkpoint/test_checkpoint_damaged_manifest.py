@@ -14,8 +14,8 @@ import kwplug
 from kwplug import checkpoint
 from kwplug.checkpoint import CheckpointError
 from kwplug.checkpoint import _codec as codec
+from kwplug.checkpoint import _commit as commit
 from kwplug.checkpoint import _layout as layout
-from kwplug.checkpoint import _prehooks as prehooks
 
 
 def _saved(tmp_path: Path, dtype: torch.dtype = torch.float32) -> tuple[kwplug.Accelerator, Path]:
@@ -60,7 +60,7 @@ def test_a_damaged_manifest_is_one_checkpoint_error(
     with pytest.raises(CheckpointError, match=expected) as info:
         accelerator.load_state(tmp_path / "ckpt")
     assert info.value.file == str(version / layout.MANIFEST)
-    assert prehooks.listed(version) == set()  # the prune's reader says "none" too
+    assert commit.listed(version) == set()  # the prune's reader says "none" too
 
 
 @pytest.mark.parametrize("name", ["../../../../etc/passwd", "/etc/passwd", "a\x00b", ".", "x/../y"])

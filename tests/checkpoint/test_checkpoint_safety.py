@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import kwplug
+import kwplug.attached_state
 from kwplug import checkpoint
 from kwplug.checkpoint import CheckpointError
 from kwplug.checkpoint import _codec as codec
@@ -343,8 +344,22 @@ class WrapperPlugin(kwplug.KwargsHandler):
         return wrapped
 
 
-def test_a_wrapper_plugin_attaches_its_state(tmp_path: Path) -> None:
-    plugin = WrapperPlugin()
+@attrs.define
+class ContractWrapperPlugin(WrapperPlugin):
+    """The same plugin through the contract module plugins import (never kwplug.checkpoint)."""
+
+    @kwplug.hookimpl
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        wrapped = Wrapped(model)
+        kwplug.attached_state.attach_state(wrapped, self.residual)
+        return wrapped
+
+
+@pytest.mark.parametrize("plugin_class", [WrapperPlugin, ContractWrapperPlugin])
+def test_a_wrapper_plugin_attaches_its_state(
+    tmp_path: Path, plugin_class: type[WrapperPlugin]
+) -> None:
+    plugin = plugin_class()
     accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[plugin])
     model = accelerator.prepare(torch.nn.Linear(4, 3))
     assert checkpoint.attached_states(model) == [plugin.residual]

@@ -242,7 +242,7 @@ def test_hook_state_keeps_counters_and_resets_per_process_state() -> None:
     # PowerSGD's rule comes with its CommHook record (the core knows no hook): counters kept.
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-    from kwplug.checkpoint._stateful import hook_state_dict
+    from kwplug.attached_state import hook_state_dict
     from kwplug.plugins import ddp_comm_hooks
 
     record = ddp_comm_hooks.builtin_comm_hooks()["power_sgd"]

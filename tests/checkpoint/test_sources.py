@@ -15,7 +15,7 @@ import torch
 import kwplug
 from kwplug import checkpoint
 from kwplug.accelerator._gradient_state import GradientState
-from kwplug.checkpoint._prehooks import StatePreHooks
+from kwplug.checkpoint import StatePreHooks
 from kwplug.optimizer import AcceleratedOptimizer
 from kwplug.utils.dataclasses import ProjectConfiguration
 

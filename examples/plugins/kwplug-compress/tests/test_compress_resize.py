@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 
 import kwplug
-from kwplug.checkpoint import attached_states
+from kwplug.attached_state import attached_states, hook_state_dict
 from kwplug.checkpoint._resize import load_resized_hooks
-from kwplug.checkpoint._stateful import hook_state_dict
 from kwplug.errors import KwplugWarning
 from kwplug.plugins.ddp_comm_hooks import checkpointed_state
 from kwplug.testing import PluginSandbox, run_distributed
