@@ -14,7 +14,6 @@ import torch
 from kwplug.checkpoint import _checks as checks
 from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _commit as commit
-from kwplug.checkpoint import _dcp as dcp
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _links as links
 from kwplug.checkpoint import _lock as lock
@@ -341,7 +340,7 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
             links.repair(directory.parent, directory, records)
         solo = manifest.main_only(directory)  # saved by the main process alone: rank_0 only
         entries = resize.rank_entries(entries, records, sources.num_processes, solo)
-        entries = dcp.match_saved(sources, entries, records)  # shards or full
+        entries = plan.match_saved(sources, entries, records)  # shards or full
         entries = prehooks.loading(sources, entries, directory)  # the user's load hooks
         states, records = _read(sources, directory, entries)
     except CheckpointError as exc:

@@ -29,7 +29,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -38,12 +38,7 @@ from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _reader as reader
 from kwplug.checkpoint import _sharded as sharded
 from kwplug.checkpoint._checks import qualified_name
-from kwplug.checkpoint._stateful import ShardedModelState, ShardedOptimizerState
 from kwplug.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from kwplug.checkpoint._plan import Entry
-    from kwplug.checkpoint._sources import CheckpointSources
 
 SHARDED = "SHARDED_STATE_DICT"
 FULL = "FULL_STATE_DICT"
@@ -297,64 +292,3 @@ class OptimizerShards(ShardedState):
         # A stateless optimizer's empty "state" has no leaf to flatten, so unflattening drops
         # it, and torch would then take the dict for its own flattened format.
         set_optimizer_state_dict(self.module, optimizer, {"state": {}, **state})
-
-
-def _owner(optimizer: torch.optim.Optimizer, modules: list[torch.nn.Module]) -> Any:
-    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
-    return next((m for m in modules if any(p is first for p in m.parameters())), None)
-
-
-def match_saved(
-    sources: CheckpointSources, entries: list[Entry], records: dict[str, Any]
-) -> list[Entry]:
-    """``entries`` with each model and optimizer read the way the checkpoint holds it: the
-    shards of a sharded save into any live model (sharded or not: DCP reshards), a full
-    state file into a sharded model (gathered on rank 0, broadcast: a plain run's save).
-
-    Raises:
-        CheckpointError: the checkpoint holds shards of a state this run did not prepare.
-    """
-    from kwplug.checkpoint._plan import Entry
-
-    saved = {p for n in records if (p := layout.sharded_prefix_of(n)) is not None}
-    modules = sources.modules()
-    out: list[Entry] = []
-    for entry in entries:
-        target = entry.target
-        if isinstance(target, ShardedState) and target.prefix not in saved:
-            full = f"{target.prefix}.safetensors"
-            if full in records:  # a plain (or FULL_STATE_DICT) save into a sharded model
-                if isinstance(target, OptimizerShards):
-                    state: Any = ShardedOptimizerState(target.module, target.optimizer)
-                else:
-                    assert isinstance(target, ModelShards)
-                    state = ShardedModelState(target.module)
-                entry = Entry(full, state, "collective", entry.kind)
-        elif entry.file.endswith(".safetensors") and entry.file[: -len(".safetensors")] in saved:
-            prefix = entry.file[: -len(".safetensors")]
-            index = int(prefix.rsplit("_", 1)[1])
-            if isinstance(target, ShardedModelState | torch.nn.Module) and prefix.startswith(
-                "model"
-            ):
-                module = target.module if isinstance(target, ShardedModelState) else target
-                entry = Entry(prefix, ModelShards(index, module), "sharded", entry.kind)
-            elif isinstance(target, ShardedOptimizerState | torch.optim.Optimizer):
-                optimizer = (
-                    target.optimizer if isinstance(target, ShardedOptimizerState) else target
-                )
-                owner = (
-                    target.module
-                    if isinstance(target, ShardedOptimizerState)
-                    else _owner(optimizer, modules)
-                )
-                if owner is not None:
-                    shards = OptimizerShards(index, owner, optimizer)
-                    entry = Entry(prefix, shards, "sharded", entry.kind)
-        out.append(entry)
-    planned = {e.target.prefix for e in out if isinstance(e.target, ShardedState)}
-    for prefix in sorted(saved - planned):
-        raise CheckpointError(
-            f"the checkpoint holds the shards of {prefix}: this run prepared no object for "
-            "them (prepare the same models and optimizers as the run that saved it)"
-        )
-    return out

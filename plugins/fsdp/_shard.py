@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -21,7 +21,22 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from kwplug.plugins.fsdp._plugin import FullyShardedDataParallelPlugin
+
+class ShardSettings(Protocol):
+    """The fields of :class:`kwplug.plugins.fsdp.FullyShardedDataParallelPlugin` sharding
+    reads (a protocol, so that this module does not import the handler that imports it)."""
+
+    activation_checkpointing: bool | None
+    activation_checkpointing_offload: bool | None
+    auto_wrap_policy: Any
+    cpu_offload: Any
+    cpu_ram_efficient_loading: bool | None
+    ignored_modules: Any
+    min_num_params: int | None
+    mixed_precision_policy: Any
+    reshard_after_forward: bool | str | None
+    transformer_cls_names_to_wrap: Any
+
 
 Policy = Callable[[nn.Module], bool]
 
@@ -52,7 +67,7 @@ def _class_named(model: nn.Module, name: str) -> type[nn.Module] | None:
     return None
 
 
-def wrap_policy(plugin: FullyShardedDataParallelPlugin, model: nn.Module) -> Policy | None:
+def wrap_policy(plugin: ShardSettings, model: nn.Module) -> Policy | None:
     """The predicate choosing the submodules sharded on their own (Accelerate's
     ``fsdp2_prepare_auto_wrap_policy``), or ``None`` for the root alone.
 
@@ -121,7 +136,7 @@ def apply_activation_checkpointing(model: nn.Module, policy: Policy | None, offl
     return count
 
 
-def _ignored(plugin: FullyShardedDataParallelPlugin, model: nn.Module) -> set[nn.Parameter]:
+def _ignored(plugin: ShardSettings, model: nn.Module) -> set[nn.Parameter]:
     chosen = plugin.ignored_modules
     if chosen is None:
         return set()
@@ -133,7 +148,7 @@ def _ignored(plugin: FullyShardedDataParallelPlugin, model: nn.Module) -> set[nn
     return {p for module in modules for p in module.parameters()}
 
 
-def precision_policy(plugin: FullyShardedDataParallelPlugin, mixed_precision: str) -> Any:
+def precision_policy(plugin: ShardSettings, mixed_precision: str) -> Any:
     """The plugin's ``MixedPrecisionPolicy``, else Accelerate's default for the Accelerator's
     ``mixed_precision``: ``param_dtype`` and ``reduce_dtype`` both bfloat16 (``"bf16"``) or
     float16 (``"fp16"``); none for ``"no"``."""
@@ -148,7 +163,7 @@ def precision_policy(plugin: FullyShardedDataParallelPlugin, mixed_precision: st
 
 
 def shard(
-    plugin: FullyShardedDataParallelPlugin,
+    plugin: ShardSettings,
     model: nn.Module,
     mesh: DeviceMesh,
     mixed_precision: str,

@@ -78,6 +78,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kwplug.logging",
             "kwplug.launchers",
             "kwplug.local_sgd",
+            "kwplug.parallelism_config",
         ),
     ),
     (
