@@ -41,3 +41,30 @@ def run_json(code: str, site: Path, **env: str) -> Any:
     full_env.update(env)
     out = python("-c", code, env=full_env, timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+MODULE_PLUGIN = """
+[build-system]
+requires = ["setuptools>=69"]
+build-backend = "setuptools.build_meta"
+[project]
+name = "kwplug-{ep}"
+version = "0.0.1"
+[project.entry-points."kwplug.handlers"]
+{ep} = "kwplug_{ep}"
+[tool.setuptools]
+py-modules = ["kwplug_{ep}"]
+"""
+
+
+def install_module_plugins(sources: dict[str, str], root: Path) -> Path:
+    """pip-install one module plugin per ``sources`` item (entry point ``name``, distribution
+    ``kwplug-<name>``, module ``kwplug_<name>`` holding the source) into ``root/site``."""
+    folders = []
+    for ep, source in sources.items():
+        src = root / ep
+        src.mkdir()
+        (src / "pyproject.toml").write_text(MODULE_PLUGIN.format(ep=ep))
+        (src / f"kwplug_{ep}.py").write_text(source)
+        folders.append(src)
+    return pip_install(folders, root / "site")

@@ -16,7 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from plugin_site import pip_install, run_json
+from plugin_site import install_module_plugins, run_json
 from python import python
 
 BROKEN = {
@@ -41,19 +41,6 @@ BROKEN = {
         accelerator_module.Accelerator.backward = lambda self, loss, **kwargs: None
     """),
 }
-
-PYPROJECT = """
-[build-system]
-requires = ["setuptools>=69"]
-build-backend = "setuptools.build_meta"
-[project]
-name = "kwplug-{ep}"
-version = "0.0.1"
-[project.entry-points."kwplug.handlers"]
-{ep} = "kwplug_{ep}"
-[tool.setuptools]
-py-modules = ["kwplug_{ep}"]
-"""
 
 TRAIN = textwrap.dedent("""
     import json, sys, warnings
@@ -110,15 +97,7 @@ REFUSE = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("broken")
-    sources = []
-    for ep, source in BROKEN.items():
-        src = root / ep
-        src.mkdir()
-        (src / "pyproject.toml").write_text(PYPROJECT.format(ep=ep))
-        (src / f"kwplug_{ep}.py").write_text(source)
-        sources.append(src)
-    return pip_install(sources, root / "site")
+    return install_module_plugins(BROKEN, tmp_path_factory.mktemp("broken"))
 
 
 def test_broken_plugins_leave_fp16_training_with_a_scaler(site: Path) -> None:

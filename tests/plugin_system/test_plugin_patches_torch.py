@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from plugin_site import pip_install, run_json
+from plugin_site import install_module_plugins, run_json
 
 PATCHES = {
     "autocastpatch": """
@@ -61,19 +61,6 @@ PATCHES = {
     """,
 }
 
-PYPROJECT = """
-[build-system]
-requires = ["setuptools>=69"]
-build-backend = "setuptools.build_meta"
-[project]
-name = "kwplug-{ep}"
-version = "0.0.1"
-[project.entry-points."kwplug.handlers"]
-{ep} = "kwplug_{ep}"
-[tool.setuptools]
-py-modules = ["kwplug_{ep}"]
-"""
-
 TRAIN = textwrap.dedent("""
     import json, signal, sys, tempfile
     import torch
@@ -110,15 +97,10 @@ TRAIN = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("patches")
-    sources = []
-    for ep, source in PATCHES.items():
-        src = root / ep
-        src.mkdir()
-        (src / "pyproject.toml").write_text(PYPROJECT.format(ep=ep))
-        (src / f"kwplug_{ep}.py").write_text(textwrap.dedent(source))
-        sources.append(src)
-    return pip_install(sources, root / "site")
+    return install_module_plugins(
+        {ep: textwrap.dedent(source) for ep, source in PATCHES.items()},
+        tmp_path_factory.mktemp("patches"),
+    )
 
 
 def test_patches_outside_kwplug_are_undone_and_named(site: Path) -> None:
