@@ -59,7 +59,10 @@ def test_setup_is_resolved_once_and_frozen() -> None:
 
 def test_prepare_records_into_the_plan_not_into_the_setup() -> None:
     accelerator = kwplug.Accelerator(cpu=True)
-    assert set(accelerator._setup.answers) == {"autocast", "make_scaler"}
+    # the set-up hooks, answered once: the device, the mesh, autocast and the scaler
+    assert set(accelerator._setup.answers) == {
+        "select_device", "device_mesh", "autocast", "make_scaler"
+    }  # fmt: skip
     accelerator.prepare(torch.nn.Linear(2, 2))
     assert "wrap_model" in accelerator.plan
     assert "wrap_model" not in accelerator._setup.answers
