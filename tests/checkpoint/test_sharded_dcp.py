@@ -31,15 +31,23 @@ class FullStateKwargs(kwplug_fsdp.FullyShardedKwargs):  # type: ignore[misc, nam
     state_dict_type: str = "FULL_STATE_DICT"
 
 
+#: Tensor parallelism of the test model: the hidden layer by columns, the output by rows.
+TP_PLAN = {"0": "colwise", "2": "rowwise"}
+
+
 def setup(kind: str, state_dict_type: str | None = None) -> tuple[Any, nn.Module, Any]:
-    """An Accelerator with an FSDP2 (``kind="fsdp"``) or a DDP model and AdamW."""
+    """An Accelerator with an FSDP2 (``kind="fsdp"``), a tensor-parallel (``"tp"``) or a DDP
+    model and AdamW."""
     from kwplug_fsdp import FullyShardedKwargs
 
     handlers: list[Any] = []
     if kind == "fsdp":
         cls = FullStateKwargs if state_dict_type == "FULL_STATE_DICT" else FullyShardedKwargs
         handlers.append(cls(shard_modules=(nn.Linear,)))
-    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=handlers)
+    options: dict[str, Any] = {}
+    if kind == "tp":  # the built-in parallelism plugin: 2-way tensor parallelism
+        options["parallelism_config"] = kwplug.ParallelismConfig(tp_size=2, tp_handler=TP_PLAN)
+    accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=handlers, **options)
     torch.manual_seed(0)
     # 16 -> 24 -> 3: shapes that do not divide by 4 (uneven shards, empty ones at 4 ranks).
     model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 3))
@@ -52,7 +60,8 @@ def full_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """Model and optimizer tensors by name, in full (rank 0; collective when sharded)."""
     inner = getattr(model, "module", model)  # DDP's
     if sharded.is_sharded(inner):
-        weights = sharded.full_model_state(inner)
+        # cloned: a replicated DTensor's "full" tensor on the CPU is its local tensor itself
+        weights = {k: v.clone() for k, v in sharded.full_model_state(inner).items()}
         state = sharded.full_optimizer_state(inner, optimizer).get("state", {})
     else:
         weights = {k: v.detach().clone() for k, v in inner.state_dict().items()}
@@ -162,3 +171,16 @@ def test_sharded_resume_is_bitwise_and_full_state_dict_stays(tmp_path: Path) -> 
     assert_equal(saved[0], full[0], ("model", "optimizer"))
     manifest = json.loads((commit.resolve_checkpoint(sharded_dir) / layout.MANIFEST).read_text())  # type: ignore[operator]
     assert "model_0-shard_00001.safetensors" in manifest["files"]  # every rank's file listed
+
+
+def test_tensor_parallel_checkpoint_loads_into_one_process(tmp_path: Path) -> None:
+    # TP 2 -> 1: each rank's column/row shards, read back whole into an unsharded model.
+    directory = tmp_path / "ckpt"
+    with PluginSandbox(keep_installed=["kwplug-fsdp"]):
+        saved = run_distributed(save, str(directory), "tp", nproc=2, timeout=240)
+        written = files(directory)
+        loaded = run_distributed(load, str(directory), "ddp", nproc=1, timeout=240)
+    assert {f"model_0-shard_{r:05d}.safetensors" for r in range(2)} <= written
+    assert not {"model_0.safetensors", ".metadata"} & written
+    assert saved[0]["optimizer"]
+    assert_equal(saved[0], loaded[0], ("model", "optimizer"))
