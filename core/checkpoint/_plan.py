@@ -51,11 +51,10 @@ def entries(sources: CheckpointSources) -> list[Entry]:
         NotImplementedError: an optimizer steps a sharded model's parameters together with
             parameters outside that model.
     """
-    acc = sources
-    modules = acc.modules()
-    owners = sharded.optimizer_owners(modules, acc.optimizers)
+    modules = sources.modules()
+    owners = sharded.optimizer_owners(modules, sources.optimizers)
     plan: list[Entry] = []
-    shards = dcp.state_dict_type(acc.state_dict_type) == dcp.SHARDED
+    shards = dcp.state_dict_type(sources.state_dict_type) == dcp.SHARDED
     for i, module in enumerate(modules):
         if sharded.is_sharded(module) and shards:
             kind = qualified_name(module)
@@ -69,7 +68,7 @@ def entries(sources: CheckpointSources) -> list[Entry]:
             plan.append(Entry(layout.model_file(i), target, "collective", qualified_name(module)))
         else:
             plan.append(Entry(layout.model_file(i), module, "main", qualified_name(module)))
-    for i, optimizer in enumerate(acc.optimizers):
+    for i, optimizer in enumerate(sources.optimizers):
         if i in owners and shards:
             target = dcp.OptimizerShards(i, owners[i], optimizer)
             kind = qualified_name(optimizer)
@@ -82,30 +81,30 @@ def entries(sources: CheckpointSources) -> list[Entry]:
             file = layout.optimizer_file(i)
             plan.append(Entry(file, optimizer, "main", qualified_name(optimizer)))
     pending = PendingAccumulation(
-        world_size=acc.num_processes,
-        gradient_state=acc.gradient_state,
+        world_size=sources.num_processes,
+        gradient_state=sources.gradient_state,
         modules=modules,
-        optimizers=acc.optimizers,
-        scaler_updates=acc.scaler_updates,
+        optimizers=sources.optimizers,
+        scaler_updates=sources.scaler_updates,
     )  # before the scaler: it makes the update the last step still owes
-    file = layout.accumulation_file(acc.process_index)
+    file = layout.accumulation_file(sources.process_index)
     plan.append(Entry(file, pending, "each", qualified_name(pending), optional=True, sparse=True))
-    if acc.scaler is not None:
-        kind = qualified_name(acc.scaler)
-        plan.append(Entry(layout.SCALER, acc.scaler, "main", kind, optional=True))
-    for i, obj in enumerate(acc.custom_objects):
+    if sources.scaler is not None:
+        kind = qualified_name(sources.scaler)
+        plan.append(Entry(layout.SCALER, sources.scaler, "main", kind, optional=True))
+    for i, obj in enumerate(sources.custom_objects):
         plan.append(Entry(layout.custom_file(i), obj, "main", qualified_name(obj)))
     rank = RankState(
-        world_size=acc.num_processes,
-        device=acc.device,
-        loaders=acc.dataloaders,
-        process_index=acc.process_index,
-        exact_positions=acc.exact_data_position,
-        models=acc.models,
-        collect_handlers=acc.handler_state,
-        restore_handlers=acc.load_handler_state,
+        world_size=sources.num_processes,
+        device=sources.device,
+        loaders=sources.dataloaders,
+        process_index=sources.process_index,
+        exact_positions=sources.exact_data_position,
+        models=sources.models,
+        collect_handlers=sources.handler_state,
+        restore_handlers=sources.load_handler_state,
     )
-    file = layout.rank_file(acc.process_index)
+    file = layout.rank_file(sources.process_index)
     plan.append(Entry(file, rank, "each", qualified_name(rank)))
     return plan
 
