@@ -16,6 +16,7 @@ Run: ``python -m benchmarks.dispatch [--quick] [--json PATH]``.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -203,6 +204,11 @@ def hook_call_blocks(hook_name: str, n: int) -> tuple[dict[str, Callable[[], flo
             "comm_hooks": accelerator.comm_hooks,
         }
         kwargs.update(direct_kwargs)
+        # The hook's full signature: a mesh, when a kwplug with device meshes defines one.
+        from kwplug.hookspecs import HandlerSpec
+
+        if "device_mesh" in inspect.signature(HandlerSpec.wrap_model).parameters:
+            kwargs["device_mesh"] = None
 
     def via_pluggy(k: int) -> None:
         for _ in range(k):

@@ -111,6 +111,8 @@ def mixed_precision_policy(value: Any) -> Any:
     (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp8"``: ``param_dtype`` and ``reduce_dtype`` both
     that dtype, as Accelerate's ``set_mixed_precision``), a ``dict`` with ``param_dtype`` and
     ``reduce_dtype`` (torch dtypes), or such a policy itself."""
+    if value is None:  # no import: torch.distributed.fsdp costs ~1 s, paid only when used
+        return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     wanted = (
@@ -148,11 +150,14 @@ def auto_wrap_policy(value: Any) -> str | Callable[[torch.nn.Module], bool]:
     ``"NO_WRAP"``; torch's ``transformer_auto_wrap_policy``/``size_based_auto_wrap_policy``
     functions, or ``functools.partial`` of them, by their name), or a callable
     ``policy(module) -> bool`` choosing the submodules sharded on their own."""
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as size_based
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy as by_class
-
     if value is None:
         value = os.environ.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP")
+    size_based: object = None
+    by_class: object = None
+    if not isinstance(value, str):  # a callable: torch's policies are recognised by identity
+        from torch.distributed.fsdp import wrap
+
+        size_based, by_class = wrap.size_based_auto_wrap_policy, wrap.transformer_auto_wrap_policy
     function = getattr(value, "func", value)  # a functools.partial of torch's policies
     if function is by_class:
         return "TRANSFORMER_BASED_WRAP"
@@ -212,10 +217,14 @@ def min_num_params(value: Any, policy: Any) -> int | None:
 
 def cpu_offload(value: Any) -> Any:
     """A ``torch.distributed.fsdp.OffloadPolicy``: ``True`` -> ``CPUOffloadPolicy()``,
-    ``False`` -> ``OffloadPolicy()`` (none); ``None``: ``FSDP_OFFLOAD_PARAMS``."""
+    ``False`` -> ``None`` (no offload: ``fully_shard``'s default ``OffloadPolicy()``); ``None``:
+    ``FSDP_OFFLOAD_PARAMS``. ``False`` needs no import of ``torch.distributed.fsdp`` (~1 s):
+    a default handler, which discovery builds in every process, stays cheap."""
+    value = env_flag("OFFLOAD_PARAMS", value)
+    if value is False:
+        return None
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    value = env_flag("OFFLOAD_PARAMS", value)
     if isinstance(value, OffloadPolicy):
         return value
     if isinstance(value, bool):
@@ -270,7 +279,11 @@ def state_dict_config(name: str, value: Any, kind: str, optim: bool) -> Any:
     ``optim``); ``None``: Accelerate's default for ``kind`` (``FULL_STATE_DICT``:
     ``Full[Optim]StateDictConfig(offload_to_cpu=True, rank0_only=True)``, else
     ``Sharded[Optim]StateDictConfig(offload_to_cpu=True)``). FSDP2 reads its ``offload_to_cpu``
-    and ``rank0_only`` (``StateDictOptions(cpu_offload=, broadcast_from_rank0=)``)."""
+    and ``rank0_only`` (``StateDictOptions(cpu_offload=, broadcast_from_rank0=)``).
+    ``None`` with a sharded ``kind`` stays ``None`` (that default, read as
+    ``offload_to_cpu=True``), so that a default handler needs no ``torch.distributed.fsdp``."""
+    if value is None and kind != "FULL_STATE_DICT":
+        return None
     from torch.distributed.fsdp import (
         FullOptimStateDictConfig,
         FullStateDictConfig,

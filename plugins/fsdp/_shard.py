@@ -189,8 +189,9 @@ def shard(
     options: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": precision_policy(plugin, mixed_precision),
-        "offload_policy": plugin.cpu_offload,
     }
+    if plugin.cpu_offload is not None:  # None: fully_shard's own default, no offload
+        options["offload_policy"] = plugin.cpu_offload
     ignored = _ignored(plugin, model)
     if ignored:
         options["ignored_params"] = ignored

@@ -156,3 +156,19 @@ def test_one_process_declines_and_reports_fsdp() -> None:
     assert accelerator.prepare(model) is model  # nothing to shard over
     assert accelerator.is_fsdp2 and accelerator.torch_device_mesh is None
     assert accelerator.plan["device_mesh"].plugin is None
+
+
+def test_a_default_handler_does_not_import_torch_fsdp() -> None:
+    # Discovery builds a default instance of every handler class in every process: importing
+    # torch.distributed.fsdp there (~1 s) would tax every Accelerator, FSDP or not.
+    from python import python
+
+    code = (
+        "import sys, torch\n"
+        "from kwplug.plugins.fsdp import FullyShardedDataParallelPlugin as F\n"
+        "plugin = F()\n"
+        "print(plugin.cpu_offload, plugin.mixed_precision_policy, plugin.state_dict_config,\n"
+        "      'torch.distributed.fsdp' in sys.modules)\n"
+    )
+    out = python("-c", code, timeout=120, check=True).stdout.split()
+    assert out == ["None", "None", "None", "False"]
