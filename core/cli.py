@@ -1,4 +1,5 @@
-"""The ``kwplug`` command line: ``kwplug plugins`` and ``kwplug env``."""
+"""The ``kwplug`` command line: ``kwplug plugins``, ``kwplug env`` and ``kwplug launch``
+(:mod:`kwplug._launch`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kwplug._launch import add_launch_parser
 from kwplug._plugins import LoadControls, PluginRecord, discover, strict_error
 from kwplug.errors import PluginLoadError
 
@@ -299,14 +301,20 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="versions, devices, backends and plugins, for bug reports")
     env.add_argument("--json", action="store_true", help="print JSON instead of text")
     env.set_defaults(func=_cmd_env)
+    add_launch_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kwplug`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Unknown options are kwplug launch's to explain (accelerate launch's DeepSpeed, TPU...
+    # flags are refused by name); every other command refuses them as argparse does.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "launch":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        result: int = args.func(args)
+        result: int = args.func(args, unknown) if args.command == "launch" else args.func(args)
     except BrokenPipeError:  # `kwplug plugins | head`
         sys.stderr.close()
         return 0
