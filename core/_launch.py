@@ -60,7 +60,7 @@ _TORCHRUN_HINT = "for torchrun's own options run `python -m torch.distributed.ru
 
 def add_launch_parser(sub: Any) -> argparse.ArgumentParser:
     """Add ``launch`` to the ``kwplug`` sub-command parsers ``sub``; returns it."""
-    p = sub.add_parser(
+    p: argparse.ArgumentParser = sub.add_parser(
         "launch",
         help="run a training script in several processes (accelerate launch's flags, "
         "torch.distributed.run underneath)",
@@ -258,7 +258,7 @@ def _run(argv: list[str], env: Mapping[str, str], quiet: bool) -> int:
 
     with _patched_environment(env):
         try:
-            run(get_args_parser().parse_args(argv))
+            run(get_args_parser().parse_args(argv))  # type: ignore[no-untyped-call]
         except ChildFailedError as error:
             print(error if quiet else f"kwplug launch: {error}", file=sys.stderr)
             return 1

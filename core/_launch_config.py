@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LaunchConfigError", "default_config_file", "read_config"]
+__all__ = ["LaunchConfigError", "default_config_file", "load_mapping", "read_config"]
 
 #: The keys kwplug uses, with Accelerate's defaults (``ClusterConfig``).
 USED: Mapping[str, Any] = {
@@ -85,18 +85,33 @@ def default_config_file() -> Path:
     return Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
 
 
-def _load(path: Path) -> Any:
+def load_mapping(path: Path) -> dict[str, Any]:
+    """The file's ``{key: value}``: JSON for ``.json``, else YAML (``yaml.safe_load``: plain
+    data only, no object is constructed).
+
+    Raises:
+        LaunchConfigError: PyYAML is not installed (the message names the ``launch`` extra),
+            or the file does not hold a mapping.
+        ValueError: the file is not valid JSON/YAML.
+    """
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
-        return json.loads(text)
-    try:
-        import yaml
-    except ModuleNotFoundError:
-        raise LaunchConfigError(
-            f"{path}: reading a YAML config file needs PyYAML: pip install 'kwplug[launch]' "
-            "(or pyyaml), or write the same keys as a .json file"
-        ) from None
-    return yaml.safe_load(text)  # plain data only: no object construction
+        data = json.loads(text)
+    else:
+        try:
+            import yaml
+        except ModuleNotFoundError:
+            raise LaunchConfigError(
+                f"{path}: reading a YAML config file needs PyYAML: pip install 'kwplug[launch]' "
+                "(or pyyaml), or write the same keys as a .json file"
+            ) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise LaunchConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise LaunchConfigError(f"{path}: expected a mapping of Accelerate's config keys")
+    return data
 
 
 def _is_default(value: Any) -> bool:
@@ -115,18 +130,17 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: no such file.
-        LaunchConfigError: not a mapping; no ``distributed_type`` (as Accelerate); an unknown
-            key; a key of :data:`REFUSED` set to something else than its default; a
-            ``distributed_type`` or ``compute_environment`` kwplug cannot launch;
+        ValueError: not valid JSON.
+        LaunchConfigError: not valid YAML; not a mapping; no ``distributed_type`` (as
+            Accelerate); an unknown key; a key of :data:`REFUSED` set to something else
+            than its default; a ``distributed_type`` or ``compute_environment`` it cannot
+            launch;
             ``mixed_precision`` not ``no``/``fp16``/``bf16``; PyYAML missing.
     """
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"The config file {str(file)!r} does not exist")
-    data = _load(file)
-    if not isinstance(data, dict):
-        raise LaunchConfigError(f"{file}: expected a mapping of Accelerate's config keys")
-    data = dict(data)
+    data = dict(load_mapping(file))
     if "fp16" in data:  # Accelerate's legacy key
         fp16 = data.pop("fp16")
         data.setdefault("mixed_precision", "fp16" if fp16 else None)

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kwplug._env_report import env_report, format_report
 from kwplug._launch import add_launch_parser
 from kwplug._plugins import LoadControls, PluginRecord, discover, strict_error
 from kwplug.errors import PluginLoadError
@@ -249,16 +250,12 @@ def _report_failures(records: Sequence[PluginRecord]) -> int:
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    info = environment()
     rows = plugin_rows(discover(strict=False))
     if args.json:
-        print(json.dumps({**info, "plugins": rows}, indent=2))
+        print(json.dumps({**environment(), "plugins": rows}, indent=2))
         return 0
-    width = max(len(k) for k in info)
-    for key, value in info.items():
-        if isinstance(value, dict):
-            value = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in value.items())
-        print(f"{key.ljust(width)}  {value}")
+    # accelerate env's text, then the plugins (what a kwplug bug report needs besides).
+    print(format_report(env_report(args.config_file)))
     print()
     print(format_table(rows))
     return 0
@@ -300,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.set_defaults(func=_cmd_plugins)
     env = sub.add_parser("env", help="versions, devices, backends and plugins, for bug reports")
     env.add_argument("--json", action="store_true", help="print JSON instead of text")
+    env.add_argument(
+        "--config_file",
+        "--config-file",
+        default=None,
+        help="the launch config file to show (default: Accelerate's default one)",
+    )
     env.set_defaults(func=_cmd_env)
     add_launch_parser(sub)
     return parser
