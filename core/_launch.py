@@ -27,7 +27,7 @@ __all__ = ["add_launch_parser", "launch_command", "torchrun_arguments"]
 #: Accelerate's flag families kwplug refuses, by prefix, with what to do instead.
 _REFUSED_PREFIXES: tuple[tuple[tuple[str, ...], str], ...] = (
     (
-        ("use_deepspeed", "deepspeed", "zero", "offload", "gradient_clipping"),
+        ("use_deepspeed", "deepspeed", "zero", "zero3", "offload", "gradient_clipping"),
         "kwplug has no DeepSpeed integration",
     ),
     (
@@ -53,6 +53,12 @@ _REFUSED_PREFIXES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("mpirun",), "kwplug launch runs torch.distributed.run, not mpirun"),
     (("gpu_ids",), "set CUDA_VISIBLE_DEVICES (or your device's variable) instead"),
     (("debug",), "kwplug has no debug mode (ACCELERATE_DEBUG_MODE)"),
+    (("enable_cpu_affinity",), "kwplug launch sets no CPU affinity"),
+    (
+        ("t", "tee", "log_dir", "role"),
+        "kwplug launch passes no torchrun logging options; run `python -m "
+        "torch.distributed.run` directly for them",
+    ),
 )
 
 _TORCHRUN_HINT = "for torchrun's own options run `python -m torch.distributed.run` directly"
