@@ -222,3 +222,38 @@ def test_config_file_keys_are_checked(tmp_path: Path, monkeypatch: pytest.Monkey
     with pytest.raises(LaunchConfigError, match=r"needs PyYAML: pip install 'kwplug\[launch\]'"):
         read_config(config(CONFIG))
     assert read_config(json_file)["num_processes"] == 2  # JSON needs nothing
+
+
+def _fields(text: str) -> dict[str, str]:
+    # "- Key: value" lines (the config's lines start with a tab and are left to the caller).
+    lines = [line[2:] for line in text.splitlines() if line.startswith("- ")]
+    return dict(line.split(": ", 1) if ": " in line else (line.rstrip(":"), "") for line in lines)
+
+
+def test_env_prints_what_accelerate_env_prints(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG)
+    env = child_environment({"HF_HOME": str(tmp_path / "hf_home")})
+    printed = []
+    for command in (["accelerate.commands.env"], ["kwplug", "env"]):
+        argv = [sys.executable, "-m", *command, "--config_file", str(config)]
+        done = run_bounded(argv, timeout=120, env=env)
+        assert done.returncode == 0, done.stdout[-4000:]
+        printed.append(done.stdout)
+    theirs, ours = (_fields(text) for text in printed)
+    renamed = {
+        k.replace("`Accelerate`", "`kwplug`").replace("`accelerate`", "`kwplug`"): v
+        for k, v in theirs.items()
+    }
+    assert set(renamed) <= set(ours), set(renamed) - set(ours)
+    for key in ("Platform", "Python version", "Numpy version", "PyTorch version"):
+        assert ours[key] == renamed[key], key
+    assert ours["PyTorch accelerator"] == renamed["PyTorch accelerator"]
+    assert ours["System RAM"] == renamed["System RAM"]
+    assert ours["`Accelerate` API version"] == theirs["`Accelerate` version"]  # the mirror
+    # The config file's keys, as accelerate env shows them (it adds the defaults it fills).
+    config_lines = [line for line in printed[1].splitlines() if line.startswith("\t- ")]
+    assert len(config_lines) == len(CONFIG.splitlines())
+    assert set(config_lines) <= set(printed[0].splitlines())
+    assert "Copy-and-paste the text below in your GitHub issue" in printed[1]
