@@ -165,10 +165,12 @@ def torchrun_arguments(settings: Mapping[str, Any]) -> tuple[list[str], dict[str
     """
     machines = int(settings.get("num_machines") or 1)
     total = settings.get("num_processes")
+    kind = settings.get("distributed_type")
     if total is None or int(total) == -1:
-        if settings.get("distributed_type") not in (None, "NO"):
+        # Accelerate: a config file's NO means 1; another type must say how many (its -1).
+        if kind not in (None, "NO"):
             raise ValueError("pass --num_processes: the config file does not set it")
-        total = _default_processes(bool(settings.get("cpu")))
+        total = 1 if kind == "NO" else _default_processes(bool(settings.get("cpu")))
     total, rank = int(total), int(settings.get("machine_rank") or 0)
     if total < 1 or machines < 1 or total % machines:
         raise ValueError(

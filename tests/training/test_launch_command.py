@@ -257,3 +257,37 @@ def test_env_prints_what_accelerate_env_prints(tmp_path: Path) -> None:
     assert len(config_lines) == len(CONFIG.splitlines())
     assert set(config_lines) <= set(printed[0].splitlines())
     assert "Copy-and-paste the text below in your GitHub issue" in printed[1]
+
+
+def test_torchrun_command_lines() -> None:
+    from kwplug._launch import torchrun_arguments
+
+    base = {"training_script": "train.py", "training_script_args": ["--lr", "1"]}
+    argv, env = torchrun_arguments({**base, "num_processes": 2, "mixed_precision": "bf16"})
+    assert argv[:2] == ["--nnodes=1", "--nproc-per-node=2"] and "--standalone" in argv
+    assert argv[-3:] == ["train.py", "--lr", "1"]
+    assert env == {"ACCELERATE_MIXED_PRECISION": "bf16"}
+    several = {**base, "num_processes": 16, "num_machines": 2, "machine_rank": 1}
+    argv, _ = torchrun_arguments(
+        {**several, "main_process_ip": "10.0.0.1"} | {"main_process_port": 29400}
+    )
+    assert argv[:2] == ["--nnodes=2", "--nproc-per-node=8"]
+    assert {"--node-rank=1", "--master-addr=10.0.0.1", "--master-port=29400"} <= set(argv)
+    argv, _ = torchrun_arguments(
+        {**several, "main_process_ip": "h", "main_process_port": 1, "rdzv_backend": "c10d"}
+    )
+    assert {"--rdzv-backend=c10d", "--rdzv-endpoint=h:1"} <= set(argv)
+    with pytest.raises(ValueError, match="main_process_ip and --main_process_port"):
+        torchrun_arguments(several)
+    _, env = torchrun_arguments(
+        {**base, "cpu": True, "gradient_accumulation_steps": 4, "dynamo_backend": "eager"}
+    )
+    assert env == {
+        "ACCELERATE_MIXED_PRECISION": "no",
+        "ACCELERATE_USE_CPU": "True",
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4",
+        "ACCELERATE_DYNAMO_BACKEND": "EAGER",
+    }
+    assert "--nproc-per-node=1" in torchrun_arguments({**base, "distributed_type": "NO"})[0]
+    with pytest.raises(ValueError, match="pass --num_processes"):
+        torchrun_arguments({**base, "distributed_type": "MULTI_CPU", "num_processes": -1})
