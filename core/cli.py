@@ -1,4 +1,5 @@
-"""The ``kwplug`` command line: ``kwplug plugins`` and ``kwplug env``."""
+"""The ``kwplug`` command line: ``kwplug plugins``, ``kwplug env`` and ``kwplug launch``
+(:mod:`kwplug._launch`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kwplug._env_report import env_report, format_report
+from kwplug._launch import add_launch_parser
 from kwplug._plugins import LoadControls, PluginRecord, discover, strict_error
 from kwplug.errors import PluginLoadError
 
@@ -247,16 +250,12 @@ def _report_failures(records: Sequence[PluginRecord]) -> int:
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    info = environment()
     rows = plugin_rows(discover(strict=False))
     if args.json:
-        print(json.dumps({**info, "plugins": rows}, indent=2))
+        print(json.dumps({**environment(), "plugins": rows}, indent=2))
         return 0
-    width = max(len(k) for k in info)
-    for key, value in info.items():
-        if isinstance(value, dict):
-            value = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in value.items())
-        print(f"{key.ljust(width)}  {value}")
+    # accelerate env's text, then the plugins (what a kwplug bug report needs besides).
+    print(format_report(env_report(args.config_file)))
     print()
     print(format_table(rows))
     return 0
@@ -298,15 +297,27 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.set_defaults(func=_cmd_plugins)
     env = sub.add_parser("env", help="versions, devices, backends and plugins, for bug reports")
     env.add_argument("--json", action="store_true", help="print JSON instead of text")
+    env.add_argument(
+        "--config_file",
+        "--config-file",
+        default=None,
+        help="the launch config file to show (default: Accelerate's default one)",
+    )
     env.set_defaults(func=_cmd_env)
+    add_launch_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kwplug`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Unknown options are kwplug launch's to explain (accelerate launch's DeepSpeed, TPU...
+    # flags are refused by name); every other command refuses them as argparse does.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "launch":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        result: int = args.func(args)
+        result: int = args.func(args, unknown) if args.command == "launch" else args.func(args)
     except BrokenPipeError:  # `kwplug plugins | head`
         sys.stderr.close()
         return 0

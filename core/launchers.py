@@ -11,9 +11,10 @@ launchers do), so the function may be defined in the notebook or be a closure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -47,8 +48,10 @@ def notebook_launcher(
         args: positional arguments for ``function``.
         num_processes: processes per node (``int >= 1``); required, as in Accelerate off
             Colab/Kaggle. With 1, ``function`` runs in this process.
-        mixed_precision: only ``"no"``: pass ``mixed_precision=`` to the ``Accelerator`` built
-            inside ``function`` (kwplug reads no ``ACCELERATE_MIXED_PRECISION``).
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"`` (any case): with several
+            processes, set as ``ACCELERATE_MIXED_PRECISION`` for them, which an
+            ``Accelerator()`` built inside ``function`` reads (as Accelerate's launcher). With
+            one process Accelerate ignores it; kwplug refuses anything but ``"no"`` there.
         use_port: the rendezvous port (``MASTER_PORT``), default ``"29500"``.
         master_addr: the rendezvous host (``MASTER_ADDR``), default ``"127.0.0.1"``.
         node_rank: this node's rank, ``0 <= node_rank < num_nodes``.
@@ -69,7 +72,8 @@ def notebook_launcher(
 
     Raises:
         ValueError: ``num_processes`` missing or below 1, ``node_rank >= num_nodes``,
-            ``mixed_precision`` other than ``"no"``, or this process already has a
+            ``mixed_precision`` unknown (or not ``"no"`` in one process), or this process
+            already has a
             ``torch.distributed`` process group (build the ``Accelerator`` inside
             ``function``).
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a process
@@ -88,13 +92,20 @@ def notebook_launcher(
             f"notebook_launcher: node_rank must be in [0, num_nodes), got node_rank={node_rank}, "
             f"num_nodes={num_nodes}"
         )
-    if mixed_precision != "no":
+    precision = mixed_precision.lower() if isinstance(mixed_precision, str) else mixed_precision
+    if precision not in ("no", "fp16", "bf16"):
         raise ValueError(
-            f"notebook_launcher(mixed_precision={mixed_precision!r}): kwplug does not pass mixed "
-            "precision through the environment; build Accelerator(mixed_precision=...) inside "
-            "the launched function"
+            f"notebook_launcher: mixed_precision must be 'no', 'fp16' or 'bf16', got "
+            f"{mixed_precision!r}"
         )
     if num_processes == 1 and num_nodes == 1:
+        if precision != "no":
+            # Accelerate runs the function without it here, silently: refused instead.
+            raise ValueError(
+                f"notebook_launcher(mixed_precision={mixed_precision!r}, num_processes=1): "
+                "one process gets no launcher settings; build Accelerator(mixed_precision=...) "
+                "inside the launched function"
+            )
         function(*args)
         return None
     if dist.is_available() and dist.is_initialized():
@@ -106,20 +117,21 @@ def notebook_launcher(
     if rdzv_backend == "static":
         configs["rank"] = node_rank
         rdzv_endpoint = rdzv_endpoint or f"{master_addr}:{use_port}"
-    return _launch(
-        function,
-        args,
-        min_nodes=num_nodes,
-        max_nodes=num_nodes,
-        nproc_per_node=num_processes,
-        run_id=rdzv_id,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_backend=rdzv_backend,
-        rdzv_configs=configs,
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval,
-        log_line_prefix_template=log_line_prefix_template,
-    )
+    with _environment("ACCELERATE_MIXED_PRECISION", precision):  # inherited by the forks
+        return _launch(
+            function,
+            args,
+            min_nodes=num_nodes,
+            max_nodes=num_nodes,
+            nproc_per_node=num_processes,
+            run_id=rdzv_id,
+            rdzv_endpoint=rdzv_endpoint,
+            rdzv_backend=rdzv_backend,
+            rdzv_configs=configs,
+            max_restarts=max_restarts,
+            monitor_interval=monitor_interval,
+            log_line_prefix_template=log_line_prefix_template,
+        )
 
 
 def debug_launcher(
@@ -152,9 +164,7 @@ def debug_launcher(
             "debug_launcher: this process already has a torch.distributed process group; "
             "create the Accelerator (or PartialState) only inside the launched function"
         )
-    previous = os.environ.get("ACCELERATE_USE_CPU")
-    os.environ["ACCELERATE_USE_CPU"] = "1"  # inherited by the forked workers
-    try:
+    with _environment("ACCELERATE_USE_CPU", "1"):  # inherited by the forked workers
         return _launch(
             function,
             args,
@@ -169,11 +179,20 @@ def debug_launcher(
             monitor_interval=0.1,
             log_line_prefix_template=None,
         )
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    # Set for the forked workers, restored afterwards (the caller's notebook keeps its own).
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
     finally:
         if previous is None:
-            os.environ.pop("ACCELERATE_USE_CPU", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["ACCELERATE_USE_CPU"] = previous
+            os.environ[name] = previous
 
 
 def _launch(function: Callable[..., Any], args: tuple[Any, ...], **config: Any) -> dict[int, Any]:

@@ -97,11 +97,26 @@ class PartialState(Ranks):
         self.local_process_index = info.local_rank
 
     def __repr__(self) -> str:
+        """Accelerate's block (``print(state)``), line for line: ``Distributed environment:``
+        (with ``  Backend: <name>`` when a process group exists), ``Num processes:``,
+        ``Process index:``, ``Local process index:``, ``Device:``."""
+        backend = self.backend
         return (
-            f"{type(self).__name__}(distributed_type={self.distributed_type.value}, "
-            f"num_processes={self.num_processes}, process_index={self.process_index}, "
-            f"local_process_index={self.local_process_index}, device={self.device})"
+            f"Distributed environment: {self.distributed_type}"
+            f"{('  Backend: ' + backend) if backend else ''}\n"
+            f"Num processes: {self.num_processes}\n"
+            f"Process index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\n"
+            f"Device: {self.device}\n"
         )
+
+    @property
+    def backend(self) -> str | None:
+        """The default process group's backend (``torch.distributed.get_backend()``, e.g.
+        ``"gloo"``), or ``None`` in one process, as Accelerate's."""
+        if self.num_processes > 1 and dist.is_available() and dist.is_initialized():
+            return str(dist.get_backend())
+        return None
 
     @property
     def initialized(self) -> bool:
@@ -245,6 +260,11 @@ class AcceleratorState(PartialState):
         return state
 
     _owner: Any = None  # the Accelerator this state describes (None: the live one)
+
+    def __repr__(self) -> str:
+        """:class:`PartialState`'s block and ``Mixed precision type: <mixed_precision>``, as
+        Accelerate's ``print(accelerator.state)``."""
+        return f"{super().__repr__()}\nMixed precision type: {self.mixed_precision}\n"
 
     def _described(self) -> Any:
         return self._owner or live_accelerator()

@@ -37,7 +37,8 @@ class Device:
 
 def choose_device(plugins: KwplugPluginManager, cpu: bool, info: ProcessInfo) -> Device:
     """Ask the plugins' ``select_device`` hook; without an answer, the built-in choice (the CPU
-    when forced, else ``torch.accelerator``'s current accelerator, else the CPU).
+    when forced, else ``torch.accelerator``'s current accelerator, else the CPU; the CPU is
+    ``cpu:0`` when ``world_size > 1``, as Accelerate's ``MULTI_CPU`` device).
 
     Args:
         plugins: the manager whose plugins are asked.
@@ -55,7 +56,12 @@ def choose_device(plugins: KwplugPluginManager, cpu: bool, info: ProcessInfo) ->
         cpu=forced, local_rank=info.local_rank, world_size=info.world_size
     )
     if answer is None:
-        return Device(select_device(forced, info.local_rank), None, None)
+        device = select_device(forced, info.local_rank)
+        if device.type == "cpu" and info.world_size > 1:
+            # Accelerate's MULTI_CPU device: torch.device("cpu", local_rank % 1), printed
+            # "cpu:0" on every rank; one process keeps the plain "cpu", as Accelerate's NO.
+            device = torch.device("cpu", 0)
+        return Device(device, None, None)
     name = plugins.plan["select_device"].plugin or ""
     if not isinstance(answer, DeviceChoice):
         raise TypeError(

@@ -23,7 +23,7 @@ from kwplug.accelerator._api_training import _TrainingAPI
 from kwplug.accelerator._compile_keywords import with_compile_handler
 from kwplug.accelerator._gradient_state import GradientState
 from kwplug.accelerator._keywords import check_bool
-from kwplug.accelerator._options import resolve_options
+from kwplug.accelerator._options import mixed_precision_from_env, resolve_options
 from kwplug.accelerator._prepare import _Prepared
 from kwplug.accelerator._setup import _Setup, resolve
 from kwplug.accelerator._tracking import LogWith, _Trackers
@@ -48,15 +48,19 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
     :meth:`prepare`; per training step only ``no_sync``, inside :meth:`accumulate`.
 
     Args:
-        mixed_precision: ``None`` (default, as Accelerate) or ``"no"``: full precision; ``"fp16"``
-            (``torch.autocast`` to float16 and a ``torch.amp.GradScaler``) or ``"bf16"``
-            (autocast to bfloat16, no scaler). Works on CPU too.
-        cpu: train on the CPU even when an accelerator is available.
+        mixed_precision: ``"no"``: full precision; ``"fp16"`` (``torch.autocast`` to float16
+            and a ``torch.amp.GradScaler``) or ``"bf16"`` (autocast to bfloat16, no scaler).
+            Works on CPU too. Default ``None``: ``ACCELERATE_MIXED_PRECISION`` (what
+            ``kwplug launch --mixed_precision`` and ``accelerate launch`` set), else ``"no"``.
+        cpu: train on the CPU even when an accelerator is available (also when
+            ``ACCELERATE_USE_CPU`` is true: ``kwplug launch --cpu``).
         kwargs_handlers: handler instances (``AutocastKwargs``, ``DistributedDataParallelKwargs``,
             ``GradScalerKwargs``, ``InitProcessGroupKwargs``, ``ProfileKwargs``, a subclass of
             one, or a third-party handler), at most one per class.
         gradient_accumulation_steps: ``int`` >= 1, default 1; micro-batches per optimizer
-            step in :meth:`accumulate`.
+            step in :meth:`accumulate`. ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` (``kwplug
+            launch --gradient_accumulation_steps``) replaces it, as in Accelerate (a warning
+            when it overrides a value other than 1).
         gradient_accumulation_plugin: a ``kwplug.utils.GradientAccumulationPlugin`` instead.
         dataloader_config: how :meth:`prepare` shards data loaders
             (:class:`~kwplug.utils.DataLoaderConfiguration`; default: its defaults).
@@ -172,9 +176,7 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
         extra = _plugin_keywords(parallelism_config=parallelism_config, fsdp_plugin=fsdp_plugin)
         handlers = [*extra, *(kwargs_handlers or ())] if extra else kwargs_handlers
         # Resolved once; the public attributes below are read-only by convention.
-        self._setup: _Setup = resolve(
-            "no" if mixed_precision is None else mixed_precision, cpu, handlers
-        )
+        self._setup: _Setup = resolve(mixed_precision_from_env(mixed_precision), cpu, handlers)
         self.parallelism_config: KwargsHandler | None = parallelism_config
         #: The ``device_mesh`` hook's ``torch.distributed.device_mesh.DeviceMesh``, or ``None``.
         self.torch_device_mesh: Any = self._setup.device_mesh

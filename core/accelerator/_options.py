@@ -1,16 +1,21 @@
 """The ``Accelerator`` keywords that configure training rather than plugins:
 ``gradient_accumulation_steps``/``gradient_accumulation_plugin``, ``dataloader_config``,
 ``project_dir``/``project_config``, ``log_with``, ``step_scheduler_with_optimizer`` and the
-legacy ``split_batches``/``even_batches``, checked once at construction."""
+legacy ``split_batches``/``even_batches``, checked once at construction; and what a launcher
+passes through the environment (``ACCELERATE_MIXED_PRECISION``,
+``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``: ``kwplug launch`` and ``accelerate launch`` set
+them), read as Accelerate's ``Accelerator`` reads them."""
 
 from __future__ import annotations
 
 import enum
 import os
+import warnings
 from typing import Any
 
 import attrs
 
+from kwplug.precision import MIXED_PRECISION
 from kwplug.utils.dataclasses import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
@@ -63,6 +68,53 @@ def _trackers(log_with: Any) -> list[Any]:
     return items
 
 
+MIXED_PRECISION_ENV = "ACCELERATE_MIXED_PRECISION"
+STEPS_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+
+
+def mixed_precision_from_env(mixed_precision: str | None) -> str:
+    """``mixed_precision`` when given, else ``ACCELERATE_MIXED_PRECISION``, else ``"no"`` (as
+    Accelerate's ``AcceleratorState``: the argument wins over the launcher's variable).
+
+    Raises:
+        ValueError: the variable holds something else than ``"no"``, ``"fp16"``, ``"bf16"``.
+    """
+    if mixed_precision is not None:
+        return mixed_precision
+    value = os.environ.get(MIXED_PRECISION_ENV)
+    if value is None:
+        return "no"
+    if value not in MIXED_PRECISION:
+        raise ValueError(
+            f"{MIXED_PRECISION_ENV} must be one of {', '.join(map(repr, MIXED_PRECISION))}, "
+            f"got {value!r}"
+        )
+    return value
+
+
+def _steps_from_env(steps: int) -> int:
+    # Accelerate: int(parse_choice_from_env(STEPS_ENV, gradient_accumulation_steps)) -- the
+    # variable wins over the keyword, whose default 1 cannot be told from an explicit 1.
+    # kwplug does the same, and says so when an explicit other value is overridden.
+    value = os.environ.get(STEPS_ENV)
+    if value is None:
+        return steps
+    try:
+        from_env = int(value)
+    except ValueError:
+        from_env = 0
+    if from_env < 1:
+        raise ValueError(f"{STEPS_ENV} must be an integer >= 1, got {value!r}")
+    if steps != 1 and steps != from_env:
+        warnings.warn(
+            f"Accelerator(gradient_accumulation_steps={steps}): {STEPS_ENV}={value} (set by "
+            f"the launcher) wins, as in Accelerate; the run accumulates {from_env} steps",
+            UserWarning,
+            stacklevel=4,
+        )
+    return from_env
+
+
 def resolve_options(
     gradient_accumulation_steps: int,
     gradient_accumulation_plugin: GradientAccumulationPlugin | None,
@@ -80,7 +132,9 @@ def resolve_options(
         TypeError: a keyword has the wrong type (the message names it).
         ValueError: ``gradient_accumulation_steps < 1``; both ``gradient_accumulation_steps``
             (other than 1) and ``gradient_accumulation_plugin``; ``split_batches`` or
-            ``even_batches`` together with ``dataloader_config``.
+            ``even_batches`` together with ``dataloader_config``;
+            ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` is not an integer >= 1 (it replaces
+            ``gradient_accumulation_steps`` when no plugin is given, as in Accelerate).
     """
     from kwplug.accelerator._gradient_state import _check_steps
 
@@ -93,7 +147,7 @@ def resolve_options(
     )
     if gradient_accumulation_plugin is None:
         gradient_accumulation_plugin = GradientAccumulationPlugin(
-            num_steps=gradient_accumulation_steps
+            num_steps=_steps_from_env(gradient_accumulation_steps)
         )
     elif gradient_accumulation_steps != 1:
         raise ValueError(

@@ -90,6 +90,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             # accelerate``): the top of the Accelerate-compatible surface, above kwplug's face
             "kwplug.accelerate",
             "kwplug.cli",
+            "kwplug._launch",  # kwplug launch and its config file, kwplug env's text
+            "kwplug._launch_config",
+            "kwplug._env_report",
             "kwplug.__main__",
             "kwplug.testing",
         ),

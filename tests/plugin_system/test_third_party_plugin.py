@@ -201,7 +201,7 @@ def test_cli_plugins_lists_every_plugin_with_status(site: Path) -> None:
     ]
     assert "kwplug-halfcast" in table
     env = cli(site, "env").stdout
-    assert "torch" in env and "gloo=yes" in env and "halfcast" in env
+    assert "- PyTorch version: " in env and "gloo=yes" in env and "halfcast" in env
 
 
 def test_cli_explain_shows_order_and_what_reaches_torch(site: Path) -> None:

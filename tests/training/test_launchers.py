@@ -25,10 +25,12 @@ def test_both_launchers_run_a_function_in_two_processes() -> None:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     returned = json.loads(result.stdout.strip().splitlines()[-1])
-    # rank -> [tag, rank, PartialState().num_processes, device, all-reduced sum, backend]
-    for tag in ("debug", "notebook"):
+    # rank -> [tag, rank, PartialState().num_processes, device, mixed precision, all-reduced
+    # sum, backend]; Accelerate's MULTI_CPU device is cpu:0, and notebook_launcher's
+    # mixed_precision reaches the Accelerator built inside the function (as Accelerate's).
+    for tag, precision in (("debug", "no"), ("notebook", "bf16")):
         assert returned[tag] == {
-            str(rank): [tag, rank, 2, "cpu", 3.0, "gloo"] for rank in (0, 1)
+            str(rank): [tag, rank, 2, "cpu:0", precision, 3.0, "gloo"] for rank in (0, 1)
         }, tag
     assert returned["single"] is None  # one process: run here, as Accelerate
 
@@ -55,4 +57,6 @@ def test_bad_arguments_are_refused_before_launching() -> None:
     with pytest.raises(ValueError, match="node_rank"):
         notebook_launcher(print, num_processes=2, node_rank=1, num_nodes=1)
     with pytest.raises(ValueError, match=r"Accelerator\(mixed_precision=\.\.\.\)"):
-        notebook_launcher(print, num_processes=2, mixed_precision="fp16")
+        notebook_launcher(print, num_processes=1, mixed_precision="fp16")
+    with pytest.raises(ValueError, match="mixed_precision must be 'no', 'fp16' or 'bf16'"):
+        notebook_launcher(print, num_processes=2, mixed_precision="fp8")

@@ -15,7 +15,8 @@ def train(tag: str) -> list:
     accelerator = kwplug.Accelerator()
     total = accelerator.reduce(torch.tensor([accelerator.process_index + 1.0]), "sum")
     state = kwplug.PartialState()
-    result = [tag, accelerator.process_index, state.num_processes, accelerator.device.type]
+    result = [tag, accelerator.process_index, state.num_processes, str(accelerator.device)]
+    result.append(accelerator.mixed_precision)  # notebook_launcher's reaches Accelerator()
     distributed = torch.distributed.is_initialized()
     result += [float(total), torch.distributed.get_backend() if distributed else None]
     accelerator.end_training()
@@ -25,6 +26,8 @@ def train(tag: str) -> list:
 if __name__ == "__main__":
     port = sys.argv[1]
     debug = debug_launcher(train, ("debug",))
-    notebook = notebook_launcher(lambda: train("notebook"), num_processes=2, use_port=port)
+    notebook = notebook_launcher(
+        lambda: train("notebook"), num_processes=2, use_port=port, mixed_precision="bf16"
+    )
     single = notebook_launcher(train, ("single",), num_processes=1)
     print(json.dumps({"debug": debug, "notebook": notebook, "single": single}), flush=True)
