@@ -22,7 +22,7 @@ pytest.importorskip("kwplug_fsdp")
 
 def test_sharded_save_streams_and_load_stays_within_the_shard(tmp_path: Path) -> None:
     with PluginSandbox(keep_installed=["kwplug-fsdp"]) as sandbox:
-        ranks = checkpoint_sharded.run_job(2, 32 << 20, str(tmp_path), sandbox.environment())
+        ranks = checkpoint_sharded.run_job(2, 32 << 20, str(tmp_path), env=sandbox.environment())
     assert len(ranks) == 2
     for rank in ranks:
         shard = rank["shard_bytes"]
