@@ -80,9 +80,10 @@ def test_kwplug_resumes_accelerate_checkpoint_as_accelerate(tmp_path: Path) -> N
     for rank, (a, b) in enumerate(zip(reference, resumed, strict=True)):
         for key in ("draws", "trained", "sync", "weights", "optimizer", "scheduler", "progress"):
             _equal(a[key], b[key], f"rank {rank} {key}")
-    # What the load restored, not a fresh start: 15 optimizer steps over the two runs (6 saved
-    # mid-epoch 1; after: 5 in the first epoch, its last batch closing a window, and 4), Accelerate's step 5 (the first
-    # resumed batch closes a window), the registered object's 13 + 16 batches.
+    # What the load restored, not a fresh start: 15 optimizer steps over the two runs (6
+    # saved mid-epoch 1; after it, 5 in the first epoch, whose last batch closes a window, and
+    # 4), Accelerate's step 5 (the first resumed batch closes a window), and the registered
+    # object's 13 + 16 batches.
     state = resumed[0]["optimizer"]["state"][0]
     assert int(state["step"]) == 6 + 5 + 4
     assert resumed[0]["sync"][:2] == [True, False]
