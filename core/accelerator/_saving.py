@@ -23,11 +23,11 @@ from kwplug._plugins import KwplugPluginManager
 from kwplug._runtime import unwrap as unwrap  # unwrap_model's, shared with kwplug.utils
 from kwplug._umask import follow_umask
 from kwplug.checkpoint import full_model_state, is_sharded
-from kwplug.logging import get_logger
+from kwplug._logging import rank_logger
 
 logger = logging.getLogger(__name__)
 #: Accelerate's lines, as its ``save_model`` logs them (main process, INFO).
-accelerate_logger = get_logger(__name__)
+accelerate_logger = rank_logger(__name__)
 
 SAFE_WEIGHTS_PATTERN = "model{suffix}.safetensors"
 WEIGHTS_PATTERN = "pytorch_model{suffix}.bin"

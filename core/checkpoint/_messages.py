@@ -1,4 +1,5 @@
-"""Accelerate's log lines for ``save_state``/``load_state``, through :mod:`kwplug.logging`.
+"""Accelerate's log lines for ``save_state``/``load_state``, through :mod:`kwplug._logging`
+(the adapter under :mod:`kwplug.logging`: rank 0 only, ``[RANK 0] `` prefix).
 
 Accelerate's ``accelerate.accelerator`` and ``accelerate.checkpointing`` log, on the main
 process (``get_logger``'s ``main_process_only``), at these levels and in these words; kwplug
@@ -26,13 +27,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from kwplug.logging import get_logger
+from kwplug._logging import rank_logger
 from kwplug.scheduler import AcceleratedScheduler
 
 if TYPE_CHECKING:
     from kwplug.checkpoint._sources import CheckpointSources
 
-logger = get_logger("kwplug.checkpoint")
+logger = rank_logger("kwplug.checkpoint")
 
 
 def pretty_name(obj: Any) -> str:

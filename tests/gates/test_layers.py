@@ -54,9 +54,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kwplug._forked_wait",
             "kwplug._umask",
             "kwplug.config",
-            # Accelerate's module name, kept down here: it imports only _environment, and the
-            # checkpoint package logs Accelerate's save/load lines through it (issue 28)
-            "kwplug.logging",
+            # the rank-aware logger adapter under kwplug.logging, which the checkpoint package
+            # logs Accelerate's save/load lines through (issue 28)
+            "kwplug._logging",
             "kwplug.utils.",  # every module of kwplug.utils (its face is an entry point, below)
         ),
     ),
@@ -78,6 +78,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kwplug.state",
             "kwplug._state_gradient",
             "kwplug.data_loader",
+            "kwplug.logging",
             "kwplug.launchers",
             "kwplug.local_sgd",
             "kwplug.parallelism_config",
