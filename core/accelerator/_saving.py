@@ -19,11 +19,11 @@ from typing import Any, cast
 
 import torch
 
+from kwplug._logging import rank_logger
 from kwplug._plugins import KwplugPluginManager
 from kwplug._runtime import unwrap as unwrap  # unwrap_model's, shared with kwplug.utils
 from kwplug._umask import follow_umask
 from kwplug.checkpoint import full_model_state, is_sharded
-from kwplug._logging import rank_logger
 
 logger = logging.getLogger(__name__)
 #: Accelerate's lines, as its ``save_model`` logs them (main process, INFO).

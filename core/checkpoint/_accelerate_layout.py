@@ -153,27 +153,36 @@ def _model_state(folder: Path, index: int) -> tuple[Path, dict[str, torch.Tensor
     return path, state
 
 
+def _tied(own: dict[str, torch.Tensor], missing: set[str], present: set[str]) -> bool:
+    # Accelerate's safetensors save keeps one name of tensors sharing storage (tied weights,
+    # clean_state_dict_for_safetensors) and safetensors' load_model accepts the others missing.
+    storages = {own[k].untyped_storage().data_ptr() for k in present if k in own}
+    return all(own[k].untyped_storage().data_ptr() in storages for k in missing)
+
+
 def _model_target(
     path: Path, state: dict[str, torch.Tensor], prepared: torch.nn.Module, module: torch.nn.Module
 ) -> torch.nn.Module:
     # Accelerate saves the prepared model's state dict (a DDP model's keys start with
     # `module.`) and loads it into the prepared model: either set of keys is accepted.
     for target in (prepared, module):
-        own = target.state_dict()
-        if own.keys() == state.keys():
-            for key, tensor in own.items():
-                if tuple(tensor.shape) != tuple(state[key].shape):
+        own = target.state_dict(keep_vars=True)
+        missing = set(own) - set(state)
+        if set(state) <= set(own) and _tied(own, missing, set(state)):
+            for key in (k for k in own if k in state):  # in the model's order
+                if tuple(own[key].shape) != tuple(state[key].shape):
                     raise CheckpointError(
                         f"{path}: {key} has shape {tuple(state[key].shape)}, the model's is "
-                        f"{tuple(tensor.shape)}",
+                        f"{tuple(own[key].shape)}",
                         path,
                     )
             return target
     own_keys = module.state_dict().keys()
-    missing = sorted(own_keys - state.keys())[:5]
+    missing_keys = sorted(own_keys - state.keys())[:5]
     unexpected = sorted(state.keys() - own_keys)[:5]
     raise CheckpointError(
-        f"{path} does not hold this model's weights: missing {missing}, unexpected {unexpected}",
+        f"{path} does not hold this model's weights: missing {missing_keys}, unexpected "
+        f"{unexpected}",
         path,
     )
 
@@ -304,7 +313,8 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
     if others:
         raise CheckpointError(f"another process refused {folder}: {others[0]}", folder)
     for target, state in plan["models"]:
-        target.load_state_dict(state)
+        # strict=False only for the tied names the file holds once (checked in _read)
+        target.load_state_dict(state, strict=False)
     for optimizer, state in plan["optimizers"]:
         optimizer.load_state_dict(state)
     for scheduler, state in plan["schedulers"]:

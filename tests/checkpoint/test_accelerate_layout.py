@@ -148,3 +148,35 @@ def test_a_folder_without_either_layout_says_so(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no complete kwplug checkpoint"):
         accelerator.load_state(tmp_path / "empty")
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight  # tied, as a language model's
+
+
+def test_tied_weights_saved_once_load_into_both_names(tmp_path: Path) -> None:
+    # Accelerate's safetensors save keeps one name of tied tensors (the first).
+    accelerator = kwplug.Accelerator(cpu=True)
+    model = accelerator.prepare(Tied())
+    saved = Tied()
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file({"embed.weight": saved.embed.weight.detach().clone()}, folder / "model.safetensors")
+    torch.save({"random_state": random.getstate()}, folder / "random_states_1.pkl")
+    with pytest.warns(kwplug.errors.KwplugWarning, match="no random_states_0.pkl"):
+        accelerator.load_state(folder)
+    assert torch.equal(model.head.weight, saved.embed.weight)
+    assert model.head.weight is model.embed.weight
+
+
+def test_loader_state_files_are_not_read_and_say_so(tmp_path: Path) -> None:
+    accelerator, _, counter = _prepared()
+    folder = _accelerate_folder(tmp_path / "ckpt", torch.nn.Linear(3, 2))
+    torch.save({"anything": 1}, folder / "dl_state_dict.bin")
+    with pytest.warns(kwplug.errors.KwplugWarning, match=r"dl_state_dict\.bin\) is not read"):
+        accelerator.load_state(folder)
+    assert counter.n == 5
