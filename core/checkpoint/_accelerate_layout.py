@@ -25,7 +25,9 @@ groups, the number of registered objects) on every process before anything is lo
 refusal on one process is raised on all. Unlike Accelerate, a file this run prepared no object
 for (``model_2.safetensors`` with two models, ``scaler.pt`` without fp16) is refused, and the
 data loaders' ``sampler.bin``/``dl_state_dict.bin`` (pickled sampler objects, torchdata
-states) are not read: the loaders start their epoch at batch 0, with a ``KwplugWarning``.
+states) are not read: the loaders start their epoch at batch 0, with a ``KwplugWarning``. A
+sharded (FSDP2) model is refused: Accelerate's FSDP layout (``pytorch_model_fsdp_<i>``,
+``.distcp`` files with a pickled ``.metadata``) is not read.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kwplug.checkpoint import _messages as messages
+from kwplug.checkpoint import _sharded as sharded
 from kwplug.errors import CheckpointError, KwplugWarning
 
 if TYPE_CHECKING:
@@ -205,6 +208,14 @@ def _read(sources: CheckpointSources, folder: Path) -> dict[str, Any]:
     _numbered(folder, "model", len(sources.models))
     models = []
     for i, prepared in enumerate(sources.models):
+        if sharded.is_sharded(sources.unwrap(prepared)):
+            raise CheckpointError(
+                f"{folder} is an Accelerate checkpoint and model {i} is sharded (DTensor, "
+                "FSDP2): kwplug reads Accelerate's unsharded layout only (not its "
+                "pytorch_model_fsdp_<i> folders); resume it without sharding, save_state, "
+                "then load that kwplug checkpoint into the sharded run",
+                folder,
+            )
         path, state = _model_state(folder, i)
         models.append((_model_target(path, state, prepared, sources.unwrap(prepared)), state))
     plan["models"] = models
