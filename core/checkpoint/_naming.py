@@ -246,7 +246,8 @@ def save(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) 
     if config.total_limit is None:
         return saved
     try:
-        messages.deleting(len(prune(checkpoints, config.total_limit, target, sources.run.id)))
+        deleted = prune(checkpoints, config.total_limit, keep=target, run=sources.run.id)
+        messages.deleting(len(deleted))
     except OSError as exc:
         warnings.warn(
             f"total_limit: could not delete an old checkpoint in {checkpoints}: {exc}",
