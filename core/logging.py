@@ -12,13 +12,11 @@ without one).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-from collections.abc import MutableMapping
-from typing import Any
+from collections.abc import Callable
 
-from kwplug._environment import ProcessInfo
+from kwplug._logging import RankAdapter
 
 __all__ = [
     "MultiProcessAdapter",
@@ -36,7 +34,7 @@ _LIBRARY = "kwplug"
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
+class MultiProcessAdapter(RankAdapter):
     """A :class:`logging.LoggerAdapter` whose log calls take two more keywords.
 
     - ``main_process_only`` (``bool``, default ``True``): emit on global rank 0 only;
@@ -47,45 +45,15 @@ class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
 
     Every emitted message is prefixed with ``[RANK <process_index>] ``. The record's
     ``stacklevel`` defaults to 2, so ``%(funcName)s`` and ``%(lineno)d`` name the caller.
+    (The behaviour is :class:`kwplug._logging.RankAdapter`'s, which kwplug's own modules log
+    through.)
     """
 
-    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, Any]:
-        """Prefix ``[RANK <i>] `` and default ``stacklevel`` to 2."""
-        msg, kwargs = super().process(msg, kwargs)
-        kwargs.setdefault("stacklevel", 2)
-        return f"[RANK {ProcessInfo.current().rank}] {msg}", kwargs
+    def _turns(self) -> tuple[int, int, Callable[[], None]]:
+        from kwplug.state import PartialState
 
-    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
-        """Log ``msg % args`` at ``level`` on the processes ``main_process_only`` and
-        ``in_order`` select (see the class).
-
-        Raises:
-            TypeError: ``main_process_only`` or ``in_order`` is not a ``bool``.
-        """
-        main_process_only = kwargs.pop("main_process_only", True)
-        in_order = kwargs.pop("in_order", False)
-        for name, value in (("main_process_only", main_process_only), ("in_order", in_order)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        if not self.isEnabledFor(level):
-            return
-        msg, kwargs = self.process(msg, kwargs)
-        if in_order:
-            from kwplug.state import PartialState
-
-            state = PartialState()  # creates the process group under torchrun if needed
-            for rank in range(state.num_processes):
-                if rank == state.process_index:
-                    self.logger.log(level, msg, *args, **kwargs)
-                state.wait_for_everyone()
-        elif not main_process_only or ProcessInfo.current().rank == 0:
-            self.logger.log(level, msg, *args, **kwargs)
-
-    @functools.lru_cache(None)  # noqa: B019  (as Accelerate: one warning per distinct call)
-    def warning_once(self, *args: Any, **kwargs: Any) -> None:
-        """:meth:`warning`, emitted once per distinct arguments (the same message logged again
-        is dropped)."""
-        self.warning(*args, **kwargs)
+        state = PartialState()  # creates the process group under torchrun if needed
+        return state.process_index, state.num_processes, state.wait_for_everyone
 
 
 def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:

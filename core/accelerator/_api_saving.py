@@ -307,7 +307,10 @@ class _SavingAPI:
         ``broadcast_from_rank0=True``); each rank keeps its own shards.
 
         Every file is verified (manifest, size, sha256, kind, shapes) before any object is
-        loaded; no file is unpickled.
+        loaded; no file is unpickled. A folder Accelerate's ``save_state`` wrote is loaded too
+        (switching to kwplug mid-run), its pickles read with ``torch.load(weights_only=True)``
+        and NumPy's RNG array allowed, anything else refused by name
+        (:mod:`kwplug.checkpoint._accelerate_layout`).
 
         The prepared data loaders start the saved epoch at batch 0, as Accelerate's (skip the
         batches already trained with :meth:`skip_first_batches`, as under Accelerate), in the
@@ -351,8 +354,8 @@ class _SavingAPI:
                 ``load_kwargs`` is not a mapping; ``exact_data_position`` is not a ``bool``.
             ValueError: no ``input_dir`` and no automatic naming; automatic naming without a
                 ``project_dir``; ``strict=False``; an unknown ``map_location``.
-            FileNotFoundError: no complete checkpoint at ``input_dir`` (or, with automatic
-                naming, in ``checkpoints``).
+            FileNotFoundError: no complete checkpoint (kwplug's or Accelerate's) at
+                ``input_dir`` (or, with automatic naming, in ``checkpoints``).
             kwplug.checkpoint.CheckpointError: (a ``ValueError``) a file is missing,
                 truncated, altered, not regular or not listed; the checkpoint was saved with
                 different prepared objects (class, shapes), or by another number of

@@ -19,12 +19,15 @@ from typing import Any, cast
 
 import torch
 
+from kwplug._logging import rank_logger
 from kwplug._plugins import KwplugPluginManager
 from kwplug._runtime import unwrap as unwrap  # unwrap_model's, shared with kwplug.utils
 from kwplug._umask import follow_umask
 from kwplug.checkpoint import full_model_state, is_sharded
 
 logger = logging.getLogger(__name__)
+#: Accelerate's lines, as its ``save_model`` logs them (main process, INFO).
+accelerate_logger = rank_logger(__name__)
 
 SAFE_WEIGHTS_PATTERN = "model{suffix}.safetensors"
 WEIGHTS_PATTERN = "pytorch_model{suffix}.bin"
@@ -181,6 +184,15 @@ def save_model(
         index_name = pattern.format(suffix="") + ".index.json"
         text = json.dumps(index, indent=2, sort_keys=True) + "\n"
         (directory / index_name).write_text(text, encoding="utf-8")
+        accelerate_logger.info(
+            f"The model is bigger than the maximum size per checkpoint ({max_shard_size}) and "
+            f"is going to be split in {count} checkpoint shards. You can find where each "
+            f"parameters has been saved in the index located at {directory / index_name}."
+        )
+    else:  # Accelerate names pytorch_model.bin here whatever it wrote: its words, kept
+        accelerate_logger.info(
+            f"Model weights saved in {os.path.join(save_directory, 'pytorch_model.bin')}"
+        )
     return names
 
 

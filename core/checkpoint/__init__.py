@@ -40,6 +40,9 @@ One module per concern:
   ``register_load_state_pre_hook`` (user code that saves and loads some models itself);
 - :mod:`~kwplug.checkpoint._naming`: automatic checkpoint naming (``checkpoint_<i>``,
   ``total_limit``).
+- :mod:`~kwplug.checkpoint._accelerate_layout`: ``load_state`` of a folder Accelerate wrote
+  (``torch.load(weights_only=True)``, NumPy's RNG array allowed, anything else refused);
+- :mod:`~kwplug.checkpoint._messages`: Accelerate's ``save_state``/``load_state`` log lines.
 - :mod:`~kwplug.checkpoint._runs`: which run saved a ``checkpoint_<i>`` (two runs in one
   ``project_dir`` never prune or resume each other's).
 """

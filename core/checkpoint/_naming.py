@@ -39,12 +39,14 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from kwplug.checkpoint import _accelerate_layout as accelerate_layout
 from kwplug.checkpoint import _api as api
 from kwplug.checkpoint import _arrival as arrival
 from kwplug.checkpoint import _commit as commit
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _links as links
 from kwplug.checkpoint import _lock as lock
+from kwplug.checkpoint import _messages as messages
 from kwplug.checkpoint import _runs as runs
 from kwplug.errors import CheckpointError, KwplugWarning
 
@@ -197,6 +199,7 @@ def save(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) 
                 "save_state() needs output_dir unless ProjectConfiguration("
                 "automatic_checkpoint_naming=True) names the folders"
             )
+        messages.saving(output_dir)
         saved = api.save_state(sources, output_dir)
         config.iteration += 1
         return saved
@@ -225,6 +228,7 @@ def save(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) 
             runs.tag(target, sources.run.id)
             tagged.append(True)
 
+    messages.saving(target)
     saved = api.save_state(sources, target, locked=tag_in_lock)
     config.iteration += 1
     if not sources.is_main_process:
@@ -242,7 +246,8 @@ def save(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) 
     if config.total_limit is None:
         return saved
     try:
-        prune(checkpoints, config.total_limit, keep=target, run=sources.run.id)
+        deleted = prune(checkpoints, config.total_limit, keep=target, run=sources.run.id)
+        messages.deleting(len(deleted))
     except OSError as exc:
         warnings.warn(
             f"total_limit: could not delete an old checkpoint in {checkpoints}: {exc}",
@@ -364,7 +369,11 @@ def load(sources: CheckpointSources, input_dir: str | os.PathLike[str] | None) -
         if newest is None:
             raise FileNotFoundError(f"no complete kwplug checkpoint_<n> folder in {checkpoints}")
         input_dir = newest
+    messages.loading(input_dir)
+    if commit.resolve_checkpoint(input_dir) is None and accelerate_layout.found(input_dir):
+        return accelerate_layout.load_state(sources, input_dir)  # a folder Accelerate wrote
     loaded = api.load_state(sources, input_dir)
+    messages.loaded(sources)
     if config.automatic_checkpoint_naming and config.project_dir is not None:
         folder = Path(input_dir).absolute()
         match = _NAME.fullmatch(folder.name)

@@ -54,6 +54,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kwplug._forked_wait",
             "kwplug._umask",
             "kwplug.config",
+            # the rank-aware logger adapter under kwplug.logging, which the checkpoint package
+            # logs Accelerate's save/load lines through (issue 28)
+            "kwplug._logging",
             "kwplug.utils.",  # every module of kwplug.utils (its face is an entry point, below)
         ),
     ),
