@@ -223,7 +223,7 @@ def checksum_written(fd: int, tensors: dict[str, torch.Tensor], path: Path) -> t
         if tensor is None or (begin, end - begin) != (done, tensor.nbytes):
             break
         if tensor.nbytes:  # a view of the tensor's memory: no copy
-            hashed.update(tensor.reshape(-1).view(torch.uint8).numpy())
+            hashed.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
         done = end
     else:
         if spans is not None and len(spans) == len(tensors) and 8 + length + done == size:

@@ -200,10 +200,10 @@ class _Shapes:
 class _Bytes:
     # A file's verified bytes in memory; its tensors as views of them.
     def __init__(self, data: torch.Tensor) -> None:
-        self._data, self._view = data, memoryview(data.numpy())
+        self._data = data
 
     def read(self, count: int, offset: int) -> bytes:
-        return bytes(self._view[offset : offset + count])
+        return self._data[offset : offset + count].numpy().tobytes()
 
     def tensors(self, start: int, entries: dict[str, Any]) -> dict[str, torch.Tensor]:
         return _views(self._data, start, entries)
