@@ -14,9 +14,10 @@ share the hashing: rank ``r`` hashes every ``world_size``-th file), then
 ``torch.distributed.checkpoint.load`` with ``DefaultLoadPlanner`` reads each rank's part of
 every tensor through torch's ``HuggingFaceStorageReader``
 (:class:`~kwplug.checkpoint._dcp_storage.ShardReader`), which rebuilds DCP's ``Metadata``
-from the shards' headers: a checkpoint saved by any number of processes loads into any other, and into an unsharded model (whose full tensors DCP reads
-under the same names), exactly. ``set_model_state_dict`` / ``set_optimizer_state_dict``
-then restore the live objects. Every method that saves or loads is a collective.
+from the shards' headers: a checkpoint saved by any number of processes loads into any
+other, and into an unsharded model (whose full tensors DCP reads under the same names),
+exactly. ``set_model_state_dict`` / ``set_optimizer_state_dict`` then restore the live
+objects. Every method that saves or loads is a collective.
 
 ``FULL_STATE_DICT`` (:mod:`kwplug.checkpoint._sharded`, gathered to rank 0) stays for small
 models and export; the plugin that sharded the model selects it (its ``state_dict_type``).
