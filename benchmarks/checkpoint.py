@@ -10,9 +10,10 @@ after one step, so that every state tensor exists, and then measures one operati
 
 - ``kwplug save``: ``Accelerator.save_state`` (model, optimizer, RNG and loader state);
 - ``safetensors save``: ``safetensors.torch.save_file`` of the model's state dict and of the
-  optimizer's state tensors (two files, the same tensors);
+  optimizer's state tensors (two files, the same tensors), each then ``fsync``-ed (a
+  checkpoint must be on the disk when the save returns; ``save_state`` fsyncs too);
 - ``kwplug load``: ``Accelerator.load_state`` of that checkpoint into the live objects
-  (verified: sizes, sha256, shapes);
+  (verified: sizes, xxh3-128 checksums, shapes);
 - ``safetensors load``: ``safetensors.torch.load_file`` of the two files, copied into the
   model (``load_state_dict``) and the optimizer's state tensors (``copy_``): what a load
   must do, since ``load_file`` alone only maps the file.
@@ -159,6 +160,10 @@ def child(op: str, size: int, optimizer_name: str, directory: str) -> dict[str, 
     elif op == "safetensors save":
         safetensors.torch.save_file(model.state_dict(), model_file)
         safetensors.torch.save_file(_optimizer_tensors(optimizer), optimizer_file)
+        for name in (model_file, optimizer_file):  # durable, as a checkpoint must be
+            fd = os.open(name, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
     elif op == "kwplug load":
         accelerator.load_state(kwplug_dir)
     else:

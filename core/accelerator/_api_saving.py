@@ -306,11 +306,11 @@ class _SavingAPI:
         rank 0 and broadcast (``set_model_state_dict`` / ``set_optimizer_state_dict`` with
         ``broadcast_from_rank0=True``); each rank keeps its own shards.
 
-        Every file is verified (manifest, size, sha256, kind, shapes) before any object is
-        loaded; no file is unpickled. A folder Accelerate's ``save_state`` wrote is loaded too
-        (switching to kwplug mid-run), its pickles read with ``torch.load(weights_only=True)``
-        and NumPy's RNG array allowed, anything else refused by name
-        (:mod:`kwplug.checkpoint._accelerate_layout`).
+        Every file is verified (manifest, size, xxh3-128 checksum, kind, shapes) before any
+        object is loaded; no file is unpickled. A folder Accelerate's ``save_state`` wrote is
+        loaded too (switching to kwplug mid-run), its pickles read with
+        ``torch.load(weights_only=True)`` and NumPy's RNG array allowed, anything else refused
+        by name (:mod:`kwplug.checkpoint._accelerate_layout`).
 
         The prepared data loaders start the saved epoch at batch 0, as Accelerate's (skip the
         batches already trained with :meth:`skip_first_batches`, as under Accelerate), in the

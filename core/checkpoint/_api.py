@@ -146,7 +146,7 @@ def save_state(
             if sources.solo and isinstance(entry.target, PendingAccumulation):
                 _warn_pending_dropped(staging)
                 continue
-            try:  # written tensor by tensor, then hashed in chunks
+            try:  # written tensor by tensor, checksummed from the tensors' memory
                 file = staging / entry.file
                 records[entry.file] = codec.write_state(file, state, {"class": entry.kind})
             except (OSError, TypeError) as exc:
@@ -183,8 +183,9 @@ def _held(
     entries: list[plan.Entry], lazy: set[str], records: dict[str, manifest.Record]
 ) -> set[str]:
     # The first of the files decoded when loaded, in load order, whose tensors together fit
-    # in the largest one's size: decoded in the first pass (hashed once over the bytes decoded,
-    # not twice) and held until loaded, within the memory a load needs anyway (one file).
+    # in the largest one's size: decoded in the first pass (read and hashed once, decoded from
+    # those bytes, not read again) and held until loaded, within the memory a load needs
+    # anyway (one file).
     order = list(dict.fromkeys(e.file for e in entries if e.file in lazy))
     budget = max((records[name][0] for name in order), default=0)
     held: set[str] = set()

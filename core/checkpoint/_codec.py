@@ -1,9 +1,11 @@
 """State files without pickles: nested state as one safetensors file.
 
 Written by ``safetensors.torch.save_file`` straight from the tensors (the file is never built
-in memory), then fsynced and, at the same time, hashed in chunks (in a second thread: the
-hash reads the page cache while ``fsync`` waits for the disk); read back by
-:mod:`kwplug.checkpoint._reader`.
+in memory), then fsynced and, at the same time, checksummed (``xxh3-128``, in a second thread
+while ``fsync`` waits for the disk) over the bytes as written: the header read back from the
+file (a few kilobytes) and each tensor's bytes from the memory ``save_file`` wrote them from,
+at the offset the header gives it; the tensors' bytes are never read back from the file.
+Read back by :mod:`kwplug.checkpoint._reader`.
 
 A state (``state_dict()`` of a model, optimizer, scheduler, RNG...) is stored as a
 safetensors file: its tensors under their key path (a model's state dict is a plain
@@ -16,7 +18,6 @@ refused when saving. Reading never unpickles, so no file can run code.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -30,6 +31,7 @@ import safetensors.torch
 import torch
 
 from kwplug._umask import follow_umask
+from kwplug.checkpoint import _checksum as checksum
 
 META_KEY = "kwplug"
 _SCALARS = (type(None), bool, int, float, str)
@@ -58,8 +60,6 @@ DTYPES: dict[str, torch.dtype] = {
     }.items()
     if dtype is not None
 }
-#: Bytes read at a time when hashing a file.
-CHUNK = 1 << 20
 # safetensors reports a failed write as "I/O error: ... (os error 28)" (Rust's io::Error).
 _OS_ERROR = re.compile(r"os error (\d+)|code: (\d+)")
 
@@ -155,9 +155,9 @@ def from_structure(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def write_state(path: Path, state: Any, extra: dict[str, str] | None = None) -> tuple[int, str]:
     """Write ``state`` as the safetensors file ``path``, tensor by tensor from their memory
-    (``safetensors.torch.save_file``), fsync it and return its ``(size, sha256)``, hashed in
-    :data:`CHUNK` byte chunks by a worker thread while ``fsync`` runs (``hashlib`` and
-    ``preadv`` release the GIL; one megabyte of memory).
+    (``safetensors.torch.save_file``), fsync it and return its ``(size, checksum)``: the
+    ``xxh3-128`` of the header read back and of the tensors' memory, in the file's order
+    (:func:`checksum_written`), computed by a worker thread while ``fsync`` runs.
 
     Args:
         path: the file to create (in a version folder being staged).
@@ -166,7 +166,8 @@ def write_state(path: Path, state: Any, extra: dict[str, str] | None = None) -> 
 
     Raises:
         TypeError: ``state`` holds something else, named by its key path.
-        OSError: the write failed (``ENOSPC``: the disk is full).
+        OSError: the write failed (``ENOSPC``: the disk is full), or the file is not what
+            was written (``EIO``).
     """
     encoder = _Encoder()
     structure = encoder.encode(state, "")
@@ -182,14 +183,52 @@ def write_state(path: Path, state: Any, extra: dict[str, str] | None = None) -> 
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     try:
         follow_umask(fd)  # save_file's temporary file is 0600 whatever the umask
-        # The hash needs only the page cache, fsync only the disk: overlapped, the save costs
+        # The checksum needs only memory, fsync only the disk: overlapped, the save costs
         # about the longer of the two. The pool is left (joined) before fd is closed.
         with ThreadPoolExecutor(1, thread_name_prefix="kwplug-hash") as pool:
-            hashed = pool.submit(sha256, fd)
+            hashed = pool.submit(checksum_written, fd, encoder.tensors, path)
             os.fsync(fd)
             return hashed.result()
     finally:
         os.close(fd)
+
+
+def checksum_written(fd: int, tensors: dict[str, torch.Tensor], path: Path) -> tuple[int, str]:
+    """``(size, "xxh3-128:<hex>")`` of the safetensors file ``fd`` that ``save_file`` wrote
+    from ``tensors``: its header read back from ``fd``, then each tensor's bytes from its
+    memory in the order of the header's offsets, which must tile the rest of the file.
+
+    Raises:
+        OSError: ``EIO``: the header does not describe ``tensors`` back to back up to the
+            file's end (the file is not what was written).
+    """
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+    raw = os.pread(fd, length, 8) if length <= size - 8 else b""
+    hashed = checksum.hasher(checksum.ALGORITHM)
+    hashed.update(head + raw)
+    try:
+        header = json.loads(raw)
+        spans = sorted(
+            (int(v["data_offsets"][0]), int(v["data_offsets"][1]), k)
+            for k, v in header.items()
+            if k != "__metadata__"
+        )
+    except (ValueError, TypeError, KeyError, IndexError):
+        spans = None
+    done = 0
+    for begin, end, name in spans if spans is not None and len(raw) == length else ():
+        tensor = tensors.get(name)
+        if tensor is None or (begin, end - begin) != (done, tensor.nbytes):
+            break
+        if tensor.nbytes:  # a view of the tensor's memory: no copy
+            hashed.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        done = end
+    else:
+        if spans is not None and len(spans) == len(tensors) and 8 + length + done == size:
+            return size, f"{checksum.ALGORITHM}:{hashed.hexdigest()}"
+    raise OSError(errno.EIO, "the file safetensors wrote is not the tensors given", str(path))
 
 
 def foreign_format(head: bytes, size: int) -> str | None:
@@ -217,19 +256,3 @@ def write_file(path: Path, data: bytes) -> None:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
-
-
-def digest(data: bytes) -> str:
-    """The sha256 of ``data`` (bytes in memory: the manifest, a marker), in hex."""
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256(fd: int) -> tuple[int, str]:
-    """``(bytes, sha256 hex)`` of what ``fd`` holds from its start, read in :data:`CHUNK`
-    byte chunks into one reused buffer (``os.preadv``: the file position is not moved)."""
-    hasher, buffer, offset = hashlib.sha256(), bytearray(CHUNK), 0
-    view = memoryview(buffer)
-    while count := os.preadv(fd, [buffer], offset):
-        hasher.update(view[:count])
-        offset += count
-    return offset, hasher.hexdigest()

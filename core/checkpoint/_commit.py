@@ -10,7 +10,7 @@ named steps, in this order (:data:`STEPS`):
 3. ``stage``: create ``DIR/kwplug-<n>``; every rank writes its files into it. ``n`` is one
    more than any version name in ``DIR``, whatever holds it: a link or a file planted under a
    version's name is skipped, never followed, and left alone.
-4. ``manifest``: rank 0 writes ``MANIFEST.json`` (every file, its size and sha256).
+4. ``manifest``: rank 0 writes ``MANIFEST.json`` (every file, its size and checksum).
 5. ``mark``: rank 0 writes ``COMPLETE`` (a temporary file renamed; the rename commits).
 6. ``link``: each top-level name ``N`` a ``save_state`` pre-hook wrote becomes ``DIR/N``, a
    relative link to ``kwplug-<n>/N`` replaced atomically (:mod:`kwplug.checkpoint._links`:

@@ -9,14 +9,15 @@ by ``torch.distributed.checkpoint.save`` with ``DefaultSavePlanner`` into kwplug
 version folder through :class:`kwplug.checkpoint._dcp_storage.ShardWriter` (one streamed
 safetensors file per rank, no pickle), and their other entries (the optimizer's
 ``param_groups``) stored as JSON by rank 0 (:mod:`kwplug.checkpoint._codec`). Loading
-verifies every file against the manifest (the ranks share the hashing: rank ``r`` hashes every
-``world_size``-th file), then ``torch.distributed.checkpoint.load`` with
-``DefaultLoadPlanner`` reads each rank's part of every tensor through torch's
-``HuggingFaceStorageReader`` (:class:`~kwplug.checkpoint._dcp_storage.ShardReader`), which
-rebuilds DCP's ``Metadata`` from the shards' headers: a checkpoint saved by any number of
-processes loads into any other, and into an unsharded model (whose full tensors DCP reads
-under the same names), exactly. ``set_model_state_dict`` / ``set_optimizer_state_dict``
-then restore the live objects. Every method that saves or loads is a collective.
+verifies every file against the manifest (xxh3-128 in 1 MiB chunks, one pass; the ranks
+share the hashing: rank ``r`` hashes every ``world_size``-th file), then
+``torch.distributed.checkpoint.load`` with ``DefaultLoadPlanner`` reads each rank's part of
+every tensor through torch's ``HuggingFaceStorageReader``
+(:class:`~kwplug.checkpoint._dcp_storage.ShardReader`), which rebuilds DCP's ``Metadata``
+from the shards' headers: a checkpoint saved by any number of processes loads into any
+other, and into an unsharded model (whose full tensors DCP reads under the same names),
+exactly. ``set_model_state_dict`` / ``set_optimizer_state_dict`` then restore the live
+objects. Every method that saves or loads is a collective.
 
 ``FULL_STATE_DICT`` (:mod:`kwplug.checkpoint._sharded`, gathered to rank 0) stays for small
 models and export; the plugin that sharded the model selects it (its ``state_dict_type``).
@@ -134,7 +135,7 @@ class ShardedState:
         """Write this rank's shards (and, on rank 0, the other entries) into ``staging``.
 
         Returns:
-            ``{file name: (size, sha256)}`` of what this rank wrote, and an error message or
+            ``{file name: (size, checksum)}`` of what this rank wrote, and an error message or
             ``None`` (every rank gets DCP's error: ``save`` gathers them).
         """
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner

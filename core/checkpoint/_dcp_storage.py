@@ -56,7 +56,7 @@ class ShardWriter(StorageWriter):
         kind: ``module.Class`` of what is saved, stored in the file's header.
 
     Attributes:
-        records: after ``write_data``, ``{file name: (size, sha256)}`` of what this rank wrote.
+        records: after ``write_data``, ``{file name: (size, checksum)}`` of what this rank wrote.
     """
 
     def __init__(self, folder: Path, prefix: str, rank: int, kind: str) -> None:

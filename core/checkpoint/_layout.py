@@ -1,5 +1,6 @@
 """Every name kwplug writes into a checkpoint directory: the one place that says what goes
-where (format ``kwplug-checkpoint-2``).
+where (format ``kwplug-checkpoint-3``; format 2 differs only in its manifest's
+checksums: sha256, read still).
 
 A checkpoint directory ``DIR`` (which may hold anything else too)::
 
@@ -25,7 +26,7 @@ A checkpoint directory ``DIR`` (which may hold anything else too)::
                                     gradient accumulation: the models' local .grad, the
                                     micro-batch count, the optimizers' per-step flags
         <anything>                  files a save_state pre-hook wrote (_prehooks.py)
-        MANIFEST.json               every file above with its size and sha256
+        MANIFEST.json               every file above with its size and checksum (xxh3-128)
         COMPLETE                    written last: a version without it does not exist
         .tmpXXXXXX                  only in an unfinished version: safetensors' file being
                                     written (renamed into place when done)
@@ -42,7 +43,7 @@ from __future__ import annotations
 
 import re
 
-FORMAT = "kwplug-checkpoint-2"
+FORMAT = "kwplug-checkpoint-3"
 LOCK = ".kwplug.lock"
 MARKER = "COMPLETE"
 MARKER_TMP = ".COMPLETE.tmp"

@@ -1,5 +1,9 @@
-"""The manifest: every file of a checkpoint with its size and sha256, written before the
-completion marker, and the checks ``load_state`` runs before it touches anything."""
+"""The manifest: every file of a checkpoint with its size and checksum, written before the
+completion marker, and the checks ``load_state`` runs before it touches anything.
+
+Format ``kwplug-checkpoint-3`` records each file as ``[size, "<algorithm>:<hex>"]``
+(:mod:`kwplug.checkpoint._checksum`: ``xxh3-128`` when written); format
+``kwplug-checkpoint-2`` as ``[size, "<sha256 hex>"]``, read as ``sha256``."""
 
 from __future__ import annotations
 
@@ -9,22 +13,25 @@ import re
 import stat
 from pathlib import Path
 
+from kwplug.checkpoint import _checksum as checksum
 from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _reader as reader
 from kwplug.errors import CheckpointError
 
-#: A file's record: ``(size in bytes, sha256 hex)``.
+#: A file's record: ``(size in bytes, "<algorithm>:<hex digest>")``.
 Record = tuple[int, str]
 #: The largest manifest read, in bytes.
 LIMIT = 1 << 24
+#: The format whose records are bare sha256 digests (read, never written).
+FORMAT_2 = "kwplug-checkpoint-2"
 _SHA = re.compile(r"[0-9a-f]{64}")
 #: The manifest key of a save by the main process alone: the run's number of processes.
 MAIN_ONLY = "main_process_only_of"
 
 
 def write(directory: Path, records: dict[str, Record], *, main_only: int | None = None) -> None:
-    """Write ``directory``'s manifest listing ``records`` (file name -> size, sha256); with
+    """Write ``directory``'s manifest listing ``records`` (file name -> size, checksum); with
     ``main_only``, the number of processes of a run whose main process saved alone."""
     body: dict[str, object] = {
         "format": layout.FORMAT,
@@ -72,7 +79,8 @@ def parse(data: bytes, path: Path) -> dict[str, Record]:
 
     Raises:
         CheckpointError: ``data`` is not a kwplug manifest (not JSON, too deeply nested,
-            another format, ``files`` not an object of ``[size, sha256]`` pairs...).
+            another format, ``files`` not an object of ``[size, checksum]`` pairs, a
+            checksum of an algorithm kwplug does not know...).
     """
     foreign = codec.foreign_format(data, len(data))
     if foreign is not None:
@@ -92,25 +100,35 @@ def parse(data: bytes, path: Path) -> dict[str, Record]:
     problem = _problem(body)
     if problem is not None:
         raise CheckpointError(f"{path} is not a kwplug manifest: {problem}", path)
-    return {name: (size, sha) for name, (size, sha) in body["files"].items()}
+    if body["format"] == FORMAT_2:  # bare sha256 digests
+        return {n: (size, f"{checksum.LEGACY}:{sha}") for n, (size, sha) in body["files"].items()}
+    return {name: (size, digest) for name, (size, digest) in body["files"].items()}
 
 
 def _problem(body: object) -> str | None:
     # What is wrong with a decoded manifest, or None.
     if not isinstance(body, dict):
         return f"it holds a JSON {type(body).__name__}, not an object"
-    if body.get("format") != layout.FORMAT:
-        return f"format {body.get('format')!r}, expected {layout.FORMAT!r}"
+    if body.get("format") not in (layout.FORMAT, FORMAT_2):
+        return f"format {body.get('format')!r}, expected {layout.FORMAT!r} (or {FORMAT_2!r})"
     entries = body.get("files")
     if not isinstance(entries, dict):
-        return f"'files' is a JSON {type(entries).__name__}, not an object of [size, sha256]"
+        return f"'files' is a JSON {type(entries).__name__}, not an object of [size, checksum]"
+    legacy = body["format"] == FORMAT_2
     for name, value in entries.items():
         if not _inside(name):
             return f"it lists {name[:80]!r}, which is not a file name inside the checkpoint folder"
         ok = isinstance(value, list) and len(value) == 2
-        size, sha = value if ok else (None, None)
-        if not (type(size) is int and size >= 0 and isinstance(sha, str) and _SHA.fullmatch(sha)):
+        size, digest = value if ok else (None, None)
+        if not (type(size) is int and size >= 0 and isinstance(digest, str)):
+            return f"the record of {name!r} is {str(value)[:80]}, not [size in bytes, checksum]"
+        if legacy and not _SHA.fullmatch(digest):
             return f"the record of {name!r} is {str(value)[:80]}, not [size in bytes, sha256 hex]"
+        if not legacy:
+            try:
+                checksum.split(digest)
+            except CheckpointError as exc:  # an unknown algorithm among them, named
+                return f"the record of {name!r}: {exc}"
     return None
 
 

@@ -8,7 +8,7 @@ version folder is staged: ``models`` the prepared models as they were before DDP
 their unwrapped state dicts, ``output_dir`` the version folder. The dicts left in ``weights``
 are saved in order as ``model_0``, ``model_1``... (a hook that removed a dict removed that
 model from the checkpoint). The files the hooks wrote there become part of the version:
-listed in its manifest with their sha256, committed, pruned and verified with kwplug's own.
+listed in its manifest with their checksums, committed, pruned and verified with kwplug's own.
 
 On load, once every file of the version is verified, every rank calls each hook as
 ``hook(models, input_dir)``; the models left in the list are loaded, in order, from

@@ -1,42 +1,47 @@
-"""Reading checkpoint files without trusting them and without holding them whole.
+"""Reading checkpoint files without trusting them, each byte read once per pass.
 
 Every file is opened once (``O_NOFOLLOW | O_NONBLOCK``: a link is never followed, a FIFO
 never waited on) and checked with ``fstat`` on that descriptor before a byte is read: a
 regular file of exactly the size its manifest records, so that a planted 2 GiB (sparse)
-file costs one ``fstat``. Hashes are computed in chunks of :data:`CHUNK` bytes
-(``os.preadv`` into one reused buffer): verifying a file costs one megabyte of memory,
-whatever its size.
+file costs one ``fstat``. Its checksum (:mod:`kwplug.checkpoint._checksum`: ``xxh3-128``, or
+``sha256`` for a format 2 manifest) is then computed one of two ways:
 
-A state file's tensors are decoded by safetensors (``safe_open`` with its ``pread``
-backend: each tensor read into memory of its own, no page-cache mapping) from the same
-inode (``/proc/self/fd/<fd>``), and its sha256 is computed over the very bytes decoded: the
-8-byte header length and the header read from the descriptor, then each tensor's bytes at
-the offset the hashed header gives it. A file changed in place after it was verified fails
-that hash, so what is loaded is always what the manifest records.
+- to verify a file without decoding it (:func:`verify`, and the first pass of a load for the
+  files decoded later), in chunks of :data:`CHUNK` bytes read into one reused buffer: one
+  megabyte of memory whatever the file's size;
+- to decode it (:func:`read_state`), in the same single read that decodes it: the whole file
+  is read into one private buffer (anonymous memory, never a mapping of the file, which
+  would change with it), each chunk hashed right after it is read (while in the CPU's
+  cache), the checksum compared with the manifest's, and only then are the tensors built as
+  views of that buffer at the offsets of its (checked) safetensors header: no copy, and what
+  is loaded is exactly the bytes that matched. A file changed in place after that read is
+  never seen.
 
-Two threads share the work where it can be shared without holding more memory (``hashlib``
-and ``preadv`` release the GIL): the first pass (:func:`read_states`) verifies two files at
-a time (files decoded whole in the calling thread, the others hashed by a worker), and
-decoding hashes tensor ``i`` in a worker thread while safetensors reads tensor ``i + 1``
-(the updates run in order, in one thread: the digest is the file's).
+``safetensors.torch.load`` is not used to decode: it copies every tensor out of the bytes
+(``deserialize``), twice the file's memory at its peak; the header is checked here as
+safetensors checks it (known dtypes, shapes, offsets back to back, ending at the file's end).
+
+Two threads share the first pass where it can be shared without holding more memory
+(``preadv`` and the hashers release the GIL): :func:`read_states` verifies two files at a
+time (files decoded whole in the calling thread, the others hashed by a worker).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
+import mmap
 import os
 import stat
 import struct
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
+from kwplug.checkpoint import _checksum as checksum
 from kwplug.checkpoint import _codec as codec
 from kwplug.errors import CheckpointError
 
@@ -44,6 +49,10 @@ from kwplug.errors import CheckpointError
 HEADER_LIMIT = 100_000_000
 #: Files the first pass (:func:`read_states`) verifies at a time.
 WORKERS = 2
+#: Bytes read (then hashed) at a time.
+CHUNK = checksum.CHUNK
+#: Tensors of fewer bytes are copied out of a decoded file, not viewed in it.
+SMALL = 1 << 16
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -96,29 +105,38 @@ def read_small(path: Path, limit: int) -> bytes:
 
 
 def record(path: Path) -> tuple[int, str]:
-    """``(size, sha256)`` of ``path``, a regular file (what a save hook wrote).
+    """``(size, checksum)`` of ``path``, a regular file (what a save hook wrote).
 
     Raises:
         CheckpointError: ``path`` is a link, a FIFO or anything but a regular file.
     """
     fd = open_regular(path)
     try:
-        return codec.sha256(fd)
+        return checksum.of_file(fd)
     finally:
         os.close(fd)
 
 
 def verify(path: Path, expected: tuple[int, str]) -> None:
-    """Check ``path`` against its manifest record ``(size, sha256)``, in chunks.
+    """Check ``path`` against its manifest record ``(size, checksum)``, in chunks.
 
     Raises:
-        CheckpointError: ``path`` is missing, not regular, truncated or altered.
+        CheckpointError: ``path`` is missing, not regular, truncated or altered, or its
+            record names an unknown checksum algorithm.
     """
+    algorithm = _algorithm(path, expected)
     fd = open_regular(path, expected[0])
     try:
-        _compare(path, codec.sha256(fd), expected)
+        _compare(path, checksum.of_file(fd, algorithm), expected)
     finally:
         os.close(fd)
+
+
+def _algorithm(path: Path, expected: tuple[int, str]) -> str:
+    try:
+        return checksum.split(expected[1])[0]
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}", path) from None
 
 
 def _compare(path: Path, got: tuple[int, str], expected: tuple[int, str]) -> None:
@@ -128,7 +146,10 @@ def _compare(path: Path, got: tuple[int, str], expected: tuple[int, str]) -> Non
             path,
         )
     if got[1] != expected[1]:
-        raise CheckpointError(f"{path} does not match its sha256 in the manifest", path)
+        algorithm = expected[1].partition(":")[0]
+        raise CheckpointError(
+            f"{path} does not match its checksum ({algorithm}) in the manifest", path
+        )
 
 
 def read_state(
@@ -138,31 +159,88 @@ def read_state(
 
     Args:
         path: a file :func:`kwplug.checkpoint._codec.write_state` wrote.
-        expected: its manifest record ``(size, sha256)``.
-        shapes_only: verify the whole file (chunked sha256) but decode its tensors as
+        expected: its manifest record ``(size, checksum)``.
+        shapes_only: verify the whole file (hashed in chunks) but decode its tensors as
             ``meta`` tensors (shapes and dtypes, no data): for the checks that run before
-            anything is loaded, without holding the file.
+            anything is loaded, without holding the file. Otherwise the file is read once,
+            whole, into memory, hashed as it is read, and decoded from those bytes.
 
     Raises:
-        CheckpointError: ``path`` is missing, not regular, not ``expected``'s size or hash,
-            or not a state file kwplug wrote (naming why, with no chained parser error).
+        CheckpointError: ``path`` is missing, not regular, not ``expected``'s size or
+            checksum, or not a state file kwplug wrote (naming why, with no chained parser
+            error); its record names an unknown checksum algorithm.
     """
+    algorithm = _algorithm(path, expected)
     fd = open_regular(path, expected[0])
     try:
         if shapes_only:
-            _compare(path, codec.sha256(fd), expected)
-        try:
-            return _state(fd, path, expected, shapes_only)
-        except _Malformed as exc:
-            problem = str(exc)
-        if not shapes_only:  # a damaged file: say so, rather than how it is malformed
-            _compare(path, codec.sha256(fd), expected)
+            _compare(path, checksum.of_file(fd, algorithm), expected)
+            source: _Source = _Shapes(fd)
+            return _checked(path, source, expected[0])
+        source = _Bytes(_read_whole(fd, path, expected, algorithm))
     finally:
         os.close(fd)
+    return _checked(path, source, expected[0])
+
+
+class _Shapes:
+    # A file's header read from its descriptor; its tensors as meta tensors (no data).
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def read(self, count: int, offset: int) -> bytes:
+        return _pread(self._fd, count, offset)
+
+    def tensors(self, start: int, entries: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {
+            n: torch.empty(_shape(e), dtype=_dtype(e), device="meta") for n, e in entries.items()
+        }
+
+
+class _Bytes:
+    # A file's verified bytes in memory; its tensors as views of them.
+    def __init__(self, data: torch.Tensor) -> None:
+        self._data = data
+
+    def read(self, count: int, offset: int) -> bytes:
+        return self._data[offset : offset + count].numpy().tobytes()
+
+    def tensors(self, start: int, entries: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return _views(self._data, start, entries)
+
+
+_Source = _Shapes | _Bytes
+
+
+def _checked(path: Path, source: _Source, size: int) -> tuple[Any, dict[str, str]]:
+    try:
+        return _state(source, size)
+    except _Malformed as exc:
+        problem = str(exc)
     raise CheckpointError(
         f"{path} is not a state file kwplug wrote (safetensors with kwplug metadata): {problem}",
         path,
     )
+
+
+def _read_whole(fd: int, path: Path, expected: tuple[int, str], algorithm: str) -> torch.Tensor:
+    # The file's bytes in a private buffer (uint8 tensor), each chunk hashed right after it is
+    # read; refused unless they match the record. The buffer is anonymous memory mapped with
+    # MAP_POPULATE: its pages are made in one call, not faulted in one by one (2x faster here).
+    size = expected[0]
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0) | getattr(mmap, "MAP_POPULATE", 0)
+    buffer = mmap.mmap(-1, max(size, 1), flags=flags)
+    data = torch.frombuffer(buffer, dtype=torch.uint8)[:size]  # keeps the buffer alive
+    view = memoryview(buffer)
+    hashed, offset = checksum.hasher(algorithm, path), 0
+    try:
+        while offset < size and (count := os.preadv(fd, [view[offset : offset + CHUNK]], offset)):
+            hashed.update(view[offset : offset + count])
+            offset += count
+    finally:
+        view.release()
+    _compare(path, (offset, f"{algorithm}:{hashed.hexdigest()}"), expected)
+    return data
 
 
 def read_states(
@@ -222,19 +300,16 @@ class _Malformed(Exception):
     """Why a file is not a state file kwplug wrote."""
 
 
-def _state(
-    fd: int, path: Path, expected: tuple[int, str], shapes_only: bool
-) -> tuple[Any, dict[str, str]]:
-    raw, body = _header(fd, expected[0])
+def _state(source: _Source, size: int) -> tuple[Any, dict[str, str]]:
+    # The state in the file ``source`` reads (``size`` bytes): its header, then its tensors
+    # (``source.tensors(start, entries)``: the data section starts at byte ``start``).
+    length, body = _header(source.read, size)
     try:
         metadata = body.get("__metadata__") or {}
         entries = {k: v for k, v in body.items() if k != "__metadata__"}
-        if shapes_only:
-            tensors = {k: _meta(v) for k, v in entries.items()}
-        else:
-            tensors = _decode_tensors(fd, path, raw, entries, expected)
+        decoded = source.tensors(8 + length, entries)
         structure = json.loads(metadata[codec.META_KEY])
-        return codec.from_structure(structure, tensors), metadata
+        return codec.from_structure(structure, decoded), metadata
     except CheckpointError:
         raise
     except Exception as exc:  # any other malformed content: say what was found
@@ -249,9 +324,9 @@ def _pread(fd: int, count: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
-def _header(fd: int, size: int) -> tuple[bytes, dict[str, Any]]:
-    # The header's bytes and its JSON, read from the descriptor (bounded by the file).
-    head = _pread(fd, 9, 0)
+def _header(read: Callable[[int, int], bytes], size: int) -> tuple[int, dict[str, Any]]:
+    # The header's length and its JSON, read through ``read`` (bounded by the file).
+    head = read(9, 0)
     problem = codec.foreign_format(head, size)
     if problem is not None:
         raise _Malformed(problem)
@@ -260,7 +335,7 @@ def _header(fd: int, size: int) -> tuple[bytes, dict[str, Any]]:
     (length,) = struct.unpack("<Q", head[:8])
     if length > min(size - 8, HEADER_LIMIT):
         raise _Malformed(f"its header length {length} does not fit its {size} bytes")
-    raw = _pread(fd, length, 8)
+    raw = read(length, 8)
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
@@ -269,59 +344,47 @@ def _header(fd: int, size: int) -> tuple[bytes, dict[str, Any]]:
         raise _Malformed(f"{type(exc).__name__}: {exc}") from None
     if not isinstance(body, dict):
         raise _Malformed("its header is not a JSON object")
-    return raw, body
+    return length, body
 
 
-def _meta(entry: dict[str, Any]) -> torch.Tensor:
-    return torch.empty(
-        [int(n) for n in entry["shape"]], dtype=codec.DTYPES[entry["dtype"]], device="meta"
+def _dtype(entry: dict[str, Any]) -> torch.dtype:
+    return codec.DTYPES[entry["dtype"]]
+
+
+def _shape(entry: dict[str, Any]) -> list[int]:
+    shape = [int(n) for n in entry["shape"]]
+    if any(n < 0 for n in shape):
+        raise ValueError(f"negative dimension in shape {shape}")
+    return shape
+
+
+def _views(data: torch.Tensor, start: int, entries: dict[str, Any]) -> dict[str, torch.Tensor]:
+    # Each tensor as a view of the verified bytes, after the checks safetensors makes: a known
+    # dtype, offsets back to back from the data section's start to the file's end, each span
+    # the size of its shape. A span not aligned for its dtype (never written by safetensors,
+    # which pads its header to 8 bytes) is copied rather than viewed, and so is a tensor under
+    # SMALL bytes: torch.set_rng_state reads a state tensor's storage from its start, ignoring
+    # the view's offset (torch 2.13), and small states cost nothing to copy.
+    spans = sorted(
+        (int(e["data_offsets"][0]), int(e["data_offsets"][1]), n) for n, e in entries.items()
     )
-
-
-def _decode_tensors(
-    fd: int, path: Path, raw: bytes, entries: dict[str, Any], expected: tuple[int, str]
-) -> dict[str, torch.Tensor]:
-    digest = hashlib.sha256(struct.pack("<Q", len(raw)))
-    digest.update(raw)
-    done = 0  # bytes of the data section hashed so far
-    tensors: dict[str, torch.Tensor] = {}
-    source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else os.fspath(path)
-    hashing: list[Future[None]] = []  # in one worker thread, in order: tensor i is hashed
-    with (  # while tensor i + 1 is read; left (joined) before the descriptor is closed
-        ThreadPoolExecutor(1, thread_name_prefix="kwplug-hash") as pool,
-        safe_open(source, framework="pt", backend="pread") as opened,
-    ):
-        names = list(opened.offset_keys())
-        if sorted(names) != sorted(entries):
-            raise ValueError("its tensors are not those its header names")
-        for name in names:
-            tensor = opened.get_tensor(name)
-            entry = entries[name]
-            begin, end = (int(n) for n in entry["data_offsets"])
-            wanted = (codec.DTYPES[entry["dtype"]], [int(n) for n in entry["shape"]])
-            if (tensor.dtype, list(tensor.shape)) != wanted or (begin, end - begin) != (
-                done,
-                tensor.nbytes,
-            ):
-                raise ValueError(
-                    f"tensor {name!r} is not what the header says (changed while read?)"
-                )
-            if tensor.nbytes:  # a view of the decoded tensor: no copy
-                data = tensor.reshape(-1).view(torch.uint8).numpy()
-                hashing.append(pool.submit(digest.update, data))
-            done += tensor.nbytes
-            tensors[name] = tensor
-        for future in hashing:
-            _hashed(path, future)
-    _compare(path, (8 + len(raw) + done, digest.hexdigest()), expected)
+    done, tensors = 0, {}
+    for begin, end, name in spans:
+        entry = entries[name]
+        dtype, shape = _dtype(entry), _shape(entry)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for n in shape:
+            numel *= n
+        if begin != done or end - begin != numel * itemsize:
+            raise ValueError(
+                f"tensor {name!r} spans bytes {begin}-{end}, not {done}-{done + numel * itemsize}"
+            )
+        piece = data[start + begin : start + end]
+        if (start + begin) % itemsize or piece.numel() < SMALL:
+            piece = piece.clone()
+        tensors[name] = piece.view(dtype).reshape(shape)
+        done = end
+    if start + done != data.numel():
+        raise ValueError(f"its tensors end at byte {start + done}, the file at {data.numel()}")
     return tensors
-
-
-def _hashed(path: Path, future: Future[None]) -> None:
-    # A failure of the hashing thread, as a refusal naming the file (never a partial digest).
-    try:
-        future.result()
-    except Exception as exc:
-        raise CheckpointError(
-            f"{path} could not be verified: {type(exc).__name__}: {exc}", path
-        ) from exc

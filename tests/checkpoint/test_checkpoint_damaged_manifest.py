@@ -13,7 +13,7 @@ import torch
 import kwplug
 from kwplug import checkpoint
 from kwplug.checkpoint import CheckpointError
-from kwplug.checkpoint import _codec as codec
+from kwplug.checkpoint import _checksum as checksum
 from kwplug.checkpoint import _commit as commit
 from kwplug.checkpoint import _layout as layout
 
@@ -69,7 +69,7 @@ def test_a_listed_name_outside_the_folder_is_named_so(tmp_path: Path, name: str)
     # file that exists; the manifest itself is what is wrong.
     accelerator, version = _saved(tmp_path)
     body = json.loads((version / layout.MANIFEST).read_text())
-    body["files"][name] = [0, codec.digest(b"")]
+    body["files"][name] = [0, checksum.of_bytes(b"")]
     (version / layout.MANIFEST).write_text(json.dumps(body))
     with pytest.raises(CheckpointError, match="not a file name inside the checkpoint") as info:
         accelerator.load_state(tmp_path / "ckpt")
@@ -86,7 +86,7 @@ def test_a_listed_fifo_or_link_is_refused(tmp_path: Path, kind: str) -> None:
     else:
         planted.symlink_to("/etc")
     body = json.loads((version / layout.MANIFEST).read_text())
-    body["files"]["notes.txt"] = [0, codec.digest(b"")]
+    body["files"]["notes.txt"] = [0, checksum.of_bytes(b"")]
     (version / layout.MANIFEST).write_text(json.dumps(body))
     with pytest.raises(CheckpointError, match="not a regular file") as info:
         accelerator.load_state(tmp_path / "ckpt")

@@ -17,6 +17,7 @@ import torch
 import kwplug
 from kwplug import checkpoint
 from kwplug.checkpoint import CheckpointError
+from kwplug.checkpoint import _checksum as checksum
 from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _reader as reader
@@ -42,7 +43,7 @@ def _plant(version: Path, name: str, data: bytes) -> None:
     (version / name).write_bytes(data)
     if name != layout.MANIFEST:  # as an attacker would, so that the sha256 check passes
         body = json.loads((version / layout.MANIFEST).read_text())
-        body["files"][name] = [len(data), codec.digest(data)]
+        body["files"][name] = [len(data), checksum.of_bytes(data)]
         (version / layout.MANIFEST).write_text(json.dumps(body))
 
 

@@ -21,6 +21,7 @@ import kwplug
 import kwplug.attached_state
 from kwplug import checkpoint
 from kwplug.checkpoint import CheckpointError
+from kwplug.checkpoint import _checksum as checksum
 from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _manifest as manifest
@@ -109,7 +110,7 @@ def rewrite_manifest(version: Path, name: str) -> None:
     # An attacker who can replace a file can rewrite the manifest too.
     body = json.loads((version / layout.MANIFEST).read_text())
     data = (version / name).read_bytes()
-    body["files"][name] = [len(data), codec.digest(data)]
+    body["files"][name] = [len(data), checksum.of_bytes(data)]
     (version / layout.MANIFEST).write_text(json.dumps(body))
 
 
@@ -174,7 +175,7 @@ def unchanged(model: torch.nn.Module, before: torch.Tensor) -> bool:
     [
         ("truncate", r"bytes, the manifest says \d+ \(truncated\?\)"),
         ("grow", r"bytes, the manifest says \d+ \(replaced or appended to\?\)"),
-        ("corrupt", "does not match its sha256"),
+        ("corrupt", "does not match its checksum"),
         ("missing", "is missing"),
         ("fifo", "not a regular file"),
         ("foreign", "not listed in the manifest"),

@@ -1,6 +1,7 @@
-"""Checkpoints stream (issue 18, item 2): sizes and file types checked with ``fstat`` before
-a byte is read, sha256 in chunks, tensors decoded by ``safe_open`` one file at a time and
-verified over the very bytes decoded, files written by ``save_file`` from the tensors."""
+"""Checkpoints stream (issue 18, item 2; issue 31): sizes and file types checked with
+``fstat`` before a byte is read, checksums (xxh3-128) in chunks, each file decoded from one
+read of it, hashed as read, one file at a time, files written by ``save_file`` from the
+tensors."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+import xxhash
 
 import kwplug
 from kwplug import checkpoint
 from kwplug.checkpoint import CheckpointError
-from kwplug.checkpoint import _codec as codec
+from kwplug.checkpoint import _checksum as checksum
 from kwplug.checkpoint import _reader as reader
 
 MIB = 1 << 20
@@ -75,8 +77,8 @@ def test_a_sparse_2gib_file_is_refused_without_reading_it(tmp_path: Path) -> Non
     assert torch.equal(model[0].weight, before)
 
 
-def test_sha256_is_computed_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = os.urandom(3 * codec.CHUNK + 5)
+def test_checksums_are_computed_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = os.urandom(3 * checksum.CHUNK + 5)
     path = tmp_path / "blob"
     path.write_bytes(data)
     requests: list[int] = []
@@ -89,11 +91,15 @@ def test_sha256_is_computed_in_chunks(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(os, "preadv", preadv)
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert codec.sha256(fd) == (len(data), hashlib.sha256(data).hexdigest())
+        assert checksum.of_file(fd) == (len(data), f"xxh3-128:{xxhash.xxh3_128_hexdigest(data)}")
+        assert checksum.of_file(fd, "sha256") == (
+            len(data),
+            f"sha256:{hashlib.sha256(data).hexdigest()}",
+        )
     finally:
         os.close(fd)
-    assert len(requests) >= 4 and max(requests) <= codec.CHUNK
-    assert reader.record(path) == (len(data), hashlib.sha256(data).hexdigest())
+    assert len(requests) >= 8 and max(requests) <= checksum.CHUNK
+    assert reader.record(path) == (len(data), f"xxh3-128:{xxhash.xxh3_128_hexdigest(data)}")
 
 
 def test_round_trip_is_exact_for_every_dtype(tmp_path: Path) -> None:
@@ -129,35 +135,43 @@ def test_round_trip_is_exact_for_every_dtype(tmp_path: Path) -> None:
         assert torch.equal(loaded[name], value), name
 
 
-def test_load_decodes_with_safe_open_never_whole_file_bytes(
+def test_load_reads_each_byte_once_per_pass_in_chunks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The model's file (loaded first, held) is read once: hashed as it is read and decoded
+    # from those bytes. The optimizer's is checked in the first pass and read again, once,
+    # when loaded. Never a whole file in one read, never safetensors' copying load(bytes).
     accelerator, *_ = _setup(width=256, layers=4)  # 1 MiB of weights, 1 of momentum
     accelerator.save_state(tmp_path / "ckpt")
-    opened: list[str] = []
-    real_open = reader.safe_open
+    version = _version(tmp_path / "ckpt")
+    read: dict[str, int] = {}
+    sizes: list[int] = []
+    real_preadv, real_pread = os.preadv, os.pread
 
-    def spy(name: str, *args: Any, **kwargs: Any) -> Any:
-        opened.append(os.path.realpath(name))
-        return real_open(name, *args, **kwargs)
-
-    def whole(*_: Any, **__: Any) -> Any:
-        raise AssertionError("a state file was decoded from its bytes in memory")
-
-    reads: list[int] = []
-    real_pread = os.pread
+    def preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        count = real_preadv(fd, buffers, offset)
+        name = Path(os.readlink(f"/proc/self/fd/{fd}")).name
+        read[name] = read.get(name, 0) + count
+        sizes.append(sum(memoryview(b).nbytes for b in buffers))
+        return count
 
     def pread(fd: int, count: int, offset: int) -> bytes:
-        reads.append(count)
+        sizes.append(count)
         return real_pread(fd, count, offset)
 
-    monkeypatch.setattr(reader, "safe_open", spy)
-    monkeypatch.setattr(safetensors.torch, "load", whole)
+    def whole(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a state file was decoded by safetensors.torch.load")
+
+    monkeypatch.setattr(os, "preadv", preadv)
     monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(safetensors.torch, "load", whole)
     accelerator.load_state(tmp_path / "ckpt")
-    names = {Path(p).name for p in opened}
-    assert {"model_0.safetensors", "optimizer_0.safetensors", "rank_0.safetensors"} <= names
-    assert max(reads) < 64 * 1024  # headers only: the tensors are read by safetensors
+    model = (version / "model_0.safetensors").stat().st_size
+    optimizer = (version / "optimizer_0.safetensors").stat().st_size
+    assert model > MIB and optimizer > MIB
+    assert read["model_0.safetensors"] == model  # one read: hashed and decoded
+    assert read["optimizer_0.safetensors"] == 2 * optimizer  # checked, then decoded
+    assert max(sizes) <= checksum.CHUNK
 
 
 def test_a_file_changed_after_verification_is_never_loaded(
@@ -183,7 +197,7 @@ def test_a_file_changed_after_verification_is_never_loaded(
     assert len(states) == 2
     for state in states.values():
         state["momentum_buffer"].zero_()
-    with pytest.raises(CheckpointError, match="does not match its sha256") as caught:
+    with pytest.raises(CheckpointError, match="does not match its checksum") as caught:
         accelerator.load_state(tmp_path / "ckpt")
     assert caught.value.file == str(target)
     for state in optimizer.optimizer.state.values():

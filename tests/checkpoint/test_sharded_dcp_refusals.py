@@ -4,7 +4,6 @@ the pickle never runs; loading a sharded checkpoint never calls an unpickler."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 
 import kwplug
+from kwplug.checkpoint import _checksum as checksum
 from kwplug.checkpoint import _commit as commit
 from kwplug.checkpoint import _layout as layout
 from kwplug.errors import CheckpointError
@@ -96,7 +96,7 @@ def relist(version: Path, name: str) -> None:
     data = (version / name).read_bytes()
     path = version / layout.MANIFEST
     body = json.loads(path.read_text())
-    body["files"][name] = [len(data), hashlib.sha256(data).hexdigest()]
+    body["files"][name] = [len(data), checksum.of_bytes(data)]
     path.write_text(json.dumps(body))
 
 

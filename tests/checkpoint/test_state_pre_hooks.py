@@ -138,7 +138,7 @@ def test_hook_files_are_verified_before_the_load_hook_runs(tmp_path: Path) -> No
     calls: list[str] = []
     accelerator.register_load_state_pre_hook(lambda models, input_dir: calls.append(input_dir))
     (version / "notes" / "config.json").write_text("[]")  # same size, altered
-    with pytest.raises(CheckpointError, match="does not match its sha256"):
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
         accelerator.load_state(tmp_path / "ckpt")
     assert calls == []
 
