@@ -10,6 +10,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
+from kwplug import _cli_child
 from kwplug._plugins import LoadControls, PluginRecord, discover, strict_error
 from kwplug.errors import PluginLoadError
 
@@ -45,6 +48,16 @@ def plugin_rows(records: Sequence[PluginRecord]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _records() -> tuple[PluginRecord, ...]:
+    # discover(), with the plugins whose import ended an earlier run of the command (blocked
+    # in this one, see kwplug._cli_child) listed as failed.
+    ended = _cli_child.ended_plugins()
+    return tuple(
+        attrs.evolve(r, status="failed", error=ended[r.name]) if r.name in ended else r
+        for r in discover(strict=False)
+    )
 
 
 def _registered_by_default(record: PluginRecord) -> bool | None:
@@ -228,7 +241,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
                 if key in entry:
                     print(f"  {key}: {json.dumps(entry[key])}")
         return 0
-    records = discover(strict=False)
+    records = _records()
     rows = plugin_rows(records)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return _report_failures(records)
@@ -248,7 +261,7 @@ def _report_failures(records: Sequence[PluginRecord]) -> int:
 
 def _cmd_env(args: argparse.Namespace) -> int:
     info = environment()
-    rows = plugin_rows(discover(strict=False))
+    rows = plugin_rows(_records())
     if args.json:
         print(json.dumps({**info, "plugins": rows}, indent=2))
         return 0
@@ -303,7 +316,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kwplug`` console script; returns the exit status."""
+    """Entry point of the ``kwplug`` console script; returns the exit status.
+
+    Without ``argv`` (the console script, ``python -m kwplug``) the command runs in a child
+    process (:mod:`kwplug._cli_child`), so that a plugin whose import calls ``os._exit`` is
+    listed ``failed`` by name and distribution, and a plugin's non-daemon thread cannot keep
+    the command from exiting. With ``argv`` it runs in this process.
+    """
+    if argv is None:
+        if _cli_child.in_child():
+            return _cli_child.child(sys.argv[1:], main)
+        return _cli_child.run(sys.argv[1:])
     args = build_parser().parse_args(argv)
     try:
         result: int = args.func(args)

@@ -90,6 +90,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             # accelerate``): the top of the Accelerate-compatible surface, above kwplug's face
             "kwplug.accelerate",
             "kwplug.cli",
+            "kwplug._cli_child",
             "kwplug.__main__",
             "kwplug.testing",
         ),
