@@ -108,7 +108,10 @@ def run(argv: Sequence[str]) -> int:
     ended: dict[str, str] = {}
     blocked: list[str] = []
     while True:
-        status, progress = _start(argv, ended, blocked)
+        try:
+            status, progress = _start(argv, ended, blocked)
+        except KeyboardInterrupt:  # the child got the same Ctrl-C and says so itself
+            return 130
         lines = progress.splitlines()
         if lines[-1:] == [_DONE]:
             return status
