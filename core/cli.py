@@ -11,6 +11,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
+from kwplug import _cli_child
 from kwplug._env_report import env_report, format_report
 from kwplug._launch import add_launch_parser
 from kwplug._plugins import LoadControls, PluginRecord, discover, strict_error
@@ -48,6 +51,16 @@ def plugin_rows(records: Sequence[PluginRecord]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _records() -> tuple[PluginRecord, ...]:
+    # discover(), with the plugins whose import ended an earlier run of the command (blocked
+    # in this one, see kwplug._cli_child) listed as failed.
+    ended = _cli_child.ended_plugins()
+    return tuple(
+        attrs.evolve(r, status="failed", error=ended[r.name]) if r.name in ended else r
+        for r in discover(strict=False)
+    )
 
 
 def _registered_by_default(record: PluginRecord) -> bool | None:
@@ -231,7 +244,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
                 if key in entry:
                     print(f"  {key}: {json.dumps(entry[key])}")
         return 0
-    records = discover(strict=False)
+    records = _records()
     rows = plugin_rows(records)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return _report_failures(records)
@@ -250,7 +263,7 @@ def _report_failures(records: Sequence[PluginRecord]) -> int:
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    rows = plugin_rows(discover(strict=False))
+    rows = plugin_rows(_records())
     if args.json:
         print(json.dumps({**environment(), "plugins": rows}, indent=2))
         return 0
@@ -309,7 +322,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kwplug`` console script; returns the exit status."""
+    """Entry point of the ``kwplug`` console script; returns the exit status.
+
+    Without ``argv`` (the console script, ``python -m kwplug``) ``kwplug plugins`` and
+    ``kwplug env`` run in a child process (:mod:`kwplug._cli_child`), so that a plugin whose
+    import calls ``os._exit`` is listed ``failed`` by name and distribution, and a plugin's
+    non-daemon thread cannot keep the command from exiting; ``kwplug launch`` runs torch's
+    ``torch.distributed.run`` in this process (it imports no plugin, and torchrun's signal
+    handling stays direct). With ``argv`` every command runs in this process.
+    """
+    if argv is None:
+        if _cli_child.in_child():
+            return _cli_child.child(sys.argv[1:], main)
+        if sys.argv[1:2] != ["launch"]:
+            return _cli_child.run(sys.argv[1:])
+        argv = sys.argv[1:]
     parser = build_parser()
     # Unknown options are kwplug launch's to explain (accelerate launch's DeepSpeed, TPU...
     # flags are refused by name); every other command refuses them as argparse does.

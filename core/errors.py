@@ -255,6 +255,32 @@ class RankMismatchError(KwplugError, RuntimeError):
         self.mismatches = dict(mismatches or {})
 
 
+class RankTimeoutError(KwplugError, RuntimeError):
+    """A kwplug collective (``wait_for_everyone``, ``prepare``, ``save_state``,
+    ``load_state``, the first ``backward``) gave up waiting for other ranks after
+    ``KWPLUG_RANK_WAIT`` seconds (default: the process group's timeout). A ``RuntimeError``,
+    as torch's own collective timeouts.
+
+    Attributes:
+        missing: the ranks that did not arrive (empty when the store could not be reached).
+        waited_for: where this rank waited (``"wait_for_everyone"``, ``"save_state"``...).
+        seconds: the wait that passed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: tuple[int, ...] = (),
+        waited_for: str | None = None,
+        seconds: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
+        self.waited_for = waited_for
+        self.seconds = seconds
+
+
 class DistributedRunError(KwplugError, AssertionError):
     """A ``kwplug.testing`` distributed run failed: the message holds the failing rank's
     traceback and the tail of the job's output (an ``AssertionError``, so pytest reports it as
@@ -283,6 +309,7 @@ __all__ = [
     "PluginLoadError",
     "PluginLoadWarning",
     "RankMismatchError",
+    "RankTimeoutError",
     "TrackerConfigWarning",
     "user_stacklevel",
 ]

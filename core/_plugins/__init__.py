@@ -22,7 +22,13 @@ from __future__ import annotations
 from kwplug._plugins._cache import EntryPointLike
 from kwplug._plugins._calls import Answer
 from kwplug._plugins._controls import LoadControls, control_name
-from kwplug._plugins._discovery import discover, set_visible, strict_error, visible
+from kwplug._plugins._discovery import (
+    discover,
+    listen_imports,
+    set_visible,
+    strict_error,
+    visible,
+)
 from kwplug._plugins._manager import TRACE_ENV, KwplugPluginManager
 from kwplug._plugins._records import GROUP, PluginRecord
 from kwplug._plugins._reuse import manager_for
@@ -46,6 +52,7 @@ __all__ = [
     "control_name",
     "device_types_problem",
     "discover",
+    "listen_imports",
     "manager_for",
     "require_handler_instance",
     "require_handler_list",

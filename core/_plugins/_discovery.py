@@ -56,9 +56,22 @@ HUNG_IMPORT_SECONDS = 5.0
 logger = logging.getLogger("kwplug.discovery")
 
 
+#: Called with a plugin's record just before its import (``listen_imports``).
+_import_listeners: list[Callable[[PluginRecord], None]] = []
+
+
+def listen_imports(listener: Callable[[PluginRecord], None]) -> None:
+    """Call ``listener(record)`` before each plugin's import from now on: ``kwplug plugins``
+    runs discovery in a child process that reports, through it, the plugin whose import
+    ended the process (``os._exit`` cannot be caught)."""
+    _import_listeners.append(listener)
+
+
 def _load(ep: EntryPointLike) -> PluginRecord:
     distribution, version = _dist(ep)
     record = PluginRecord(ep.name, ep.value, distribution, version, builtin=_builtin(ep))
+    for listener in _import_listeners:
+        listener(record)
     _import_torch()  # not timed: load_seconds is the plugin's own import
     if not record.builtin:
         preload()  # every core module in the guard's snapshot (not timed either)

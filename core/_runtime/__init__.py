@@ -5,6 +5,7 @@ imports this package and the Accelerator, the Accelerator imports this package, 
 here imports either (``tests/gates/test_layers.py``).
 
 - ``_ranks``: :class:`Ranks`, the rank predicates and "which process runs what"; the barrier.
+- ``_meet``: bounded meetings of every rank through the c10d store (``KWPLUG_RANK_WAIT``).
 - ``_device``: the device, from the plugins' ``select_device`` hook or the built-in choice.
 - ``_group``: process-group set-up through the plugins' ``init_process_group`` hook.
 - ``_live``: the live Accelerator that Accelerate's process-wide views describe.
@@ -25,6 +26,9 @@ from kwplug._runtime._live import (
     live_accelerator,
     register_accelerator,
 )
+from kwplug._runtime._meet import WAIT_VARIABLE as RANK_WAIT_VARIABLE
+from kwplug._runtime._meet import default_store, meet, rank_wait
+from kwplug._runtime._meet import wait as wait_for_ranks
 from kwplug._runtime._ranks import (
     Ranks,
     decorated,
@@ -36,6 +40,7 @@ from kwplug._runtime._ranks import (
 from kwplug._runtime._unwrap import unwrap
 
 __all__ = [
+    "RANK_WAIT_VARIABLE",
     "Device",
     "Ranks",
     "apply_mixed_precision",
@@ -43,15 +48,19 @@ __all__ = [
     "assigned_distributed_type",
     "choose_device",
     "decorated",
+    "default_store",
     "destroy_process_group_at_exit",
     "forget_accelerator",
     "goes_first",
     "init_process_group",
     "live_accelerator",
+    "meet",
+    "rank_wait",
     "register_accelerator",
     "remove_mixed_precision",
     "run_if",
     "split_between_processes",
     "unwrap",
     "wait_for_everyone",
+    "wait_for_ranks",
 ]

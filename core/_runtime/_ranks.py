@@ -16,12 +16,25 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from kwplug._runtime._meet import meet
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def wait_for_everyone(num_processes: int) -> None:
-    """``torch.distributed.barrier()`` when distributed; nothing otherwise."""
+    """``torch.distributed.barrier()`` when distributed; nothing otherwise.
+
+    First every rank meets through the c10d store (:func:`kwplug._runtime._meet.meet`), so
+    that a rank that never arrives is named after ``KWPLUG_RANK_WAIT`` seconds (default: the
+    process group's timeout) instead of the barrier waiting out the group timeout silently;
+    then ``torch.distributed.barrier()``, which every rank has reached by then.
+
+    Raises:
+        kwplug.errors.RankTimeoutError: a rank did not call it within the wait (named).
+    """
     if num_processes > 1:
+        if dist.is_initialized():
+            meet("barrier", "wait_for_everyone", dist.get_rank(), dist.get_world_size())
         dist.barrier()
 
 

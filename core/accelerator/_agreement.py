@@ -10,6 +10,15 @@ and torch versions. The ranks exchange a short digest of that description in ONE
 descriptions, so that every rank raises the same :class:`~kwplug.errors.RankMismatchError`
 naming each differing field and each rank's value. In one process nothing is exchanged.
 
+The settings stay mutable after construction (``accelerator.gradient_accumulation_steps = 4``,
+``accelerator.even_batches = False``, ``project_configuration.total_limit``...), so
+:class:`LiveAgreement` compares the description again, as the settings are then, at kwplug's
+later collectives: ``prepare`` of a model, the first ``backward`` after one, ``save_state``
+(once every rank has arrived; a main-process-only save is no collective and compares
+nothing) and ``load_state``. That comparison goes through the c10d store
+(:func:`kwplug._runtime.meet`: a few store requests per rank, bounded by ``KWPLUG_RANK_WAIT``),
+so that a rank that never arrives is named instead of waited for.
+
 A handler field that may legitimately differ per rank opts out with
 ``attrs.field(metadata={kwplug.handler.AGREE: False})``.
 """
@@ -25,6 +34,7 @@ import json
 import math
 import os
 import re
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,8 +42,10 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from kwplug._runtime import meet
 from kwplug.errors import RankMismatchError
 from kwplug.handler import AGREE, KwargsHandler
+from kwplug.utils.dataclasses import GradientAccumulationPlugin
 
 if TYPE_CHECKING:
     from kwplug.accelerator._options import _Options
@@ -143,8 +155,11 @@ def describe(setup: _Setup, options: _Options) -> dict[str, Any]:
     Field names are what messages show: ``kwplug version``, ``torch version``,
     ``plugin '<entry point>'``, ``mixed_precision``, ``gradient_accumulation_steps``,
     ``gradient_accumulation_plugin.<field>``, ``dataloader_config.<field>``,
-    ``step_scheduler_with_optimizer``, ``<HandlerClass>.<field>`` for every registered handler
-    (given or default-built), ``handlers`` (their classes), ``comm hook '<name>'``.
+    ``step_scheduler_with_optimizer``, ``project_config.<field>`` (``automatic_checkpoint_naming``,
+    ``total_limit``, ``iteration``, ``save_on_each_node``, and ``project_dir is set``: whether
+    there is one, not its path, which may differ per machine), ``<HandlerClass>.<field>`` for
+    every registered handler (given or default-built), ``handlers`` (their classes),
+    ``comm hook '<name>'``.
     """
     from kwplug._plugins import discover
 
@@ -163,6 +178,10 @@ def describe(setup: _Setup, options: _Options) -> dict[str, Any]:
     for f in attrs.fields(type(loader)):
         fields[f"dataloader_config.{f.name}"] = getattr(loader, f.name)
     fields["step_scheduler_with_optimizer"] = options.step_scheduler_with_optimizer
+    project = options.project_configuration
+    fields["project_config.project_dir is set"] = project.project_dir is not None
+    for name in ("automatic_checkpoint_naming", "total_limit", "iteration", "save_on_each_node"):
+        fields[f"project_config.{name}"] = getattr(project, name)
     # Keyed by class, not by registered name: a handler passed with default settings and the
     # default instance of its class are the same settings.
     classes: dict[str, str] = {}
@@ -224,8 +243,11 @@ def _gather(obj: Any, setup: _Setup) -> list[Any]:
     return out
 
 
-def mismatch_error(descriptions: Sequence[Mapping[str, Any]]) -> RankMismatchError:
-    """The error for ``descriptions`` (one per rank, in rank order) that do not all agree."""
+def mismatch_error(
+    descriptions: Sequence[Mapping[str, Any]], at: str | None = None
+) -> RankMismatchError:
+    """The error for ``descriptions`` (one per rank, in rank order) that do not all agree;
+    ``at``: the kwplug call that compared them (``None``: ``Accelerator()``)."""
     order = list(descriptions[0])
     for other in descriptions[1:]:
         order += [key for key in other if key not in descriptions[0]]
@@ -236,8 +258,15 @@ def mismatch_error(descriptions: Sequence[Mapping[str, Any]]) -> RankMismatchErr
     }
     parts = [f"{key}: {_per_rank(values)}" for key, values in mismatches.items()]
     field = next(iter(mismatches))
+    when = (
+        "constructed Accelerator() with different settings"
+        if at is None
+        else f"reached {at} with different settings (compared again at prepare, the first "
+        "backward, save_state and load_state: a setting assigned after Accelerator() on some "
+        "ranks only counts)"
+    )
     return RankMismatchError(
-        f"the ranks of this job constructed Accelerator() with different settings; "
+        f"the ranks of this job {when}; "
         f"{'; '.join(parts)}. Every rank must pass the same settings and run the same "
         "kwplug, torch and plugins",
         field=field,
@@ -268,3 +297,67 @@ def _ranks(ranks: list[int]) -> str:
         if rank is not None:
             start = previous = rank
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
+
+
+@attrs.define
+class LiveAgreement:
+    """An Accelerator's settings compared again, as they are now, at its later collectives.
+
+    Attributes:
+        setup: what the Accelerator resolved at construction.
+        options: its keywords as resolved at construction (the live values replace the
+            mutable ones: accumulation, data loader and project configuration, scheduler).
+        owner: the Accelerator, weakly (it holds this object).
+        backward_due: the first ``backward`` after a ``prepare`` of a model compares (one
+            attribute read per step; cleared by that comparison).
+    """
+
+    setup: _Setup
+    options: _Options
+    owner: weakref.ref[Any]
+    backward_due: bool = False
+
+    def description(self, at: str) -> dict[str, Any]:
+        """:func:`describe` of the live settings, with ``"kwplug call": at`` first;
+        ``project_config.iteration`` only at a collective ``save_state`` (where every rank
+        names the folder from it): saves by the main process alone advance its iteration
+        only, legitimately, until a ``load_state`` sets every rank's."""
+        accelerator: Any = self.owner()  # alive: it is the caller
+        options = attrs.evolve(
+            self.options,
+            gradient_accumulation=GradientAccumulationPlugin(
+                **accelerator.gradient_state.plugin_kwargs
+            ),
+            dataloader_config=accelerator.dataloader_config,
+            project_configuration=accelerator.project_configuration,
+            step_scheduler_with_optimizer=accelerator.step_scheduler_with_optimizer,
+        )
+        described = {"kwplug call": at, **describe(self.setup, options)}
+        if at != "save_state":
+            described.pop("project_config.iteration", None)
+        return described
+
+    def check(self, at: str) -> None:
+        """Compare the live settings across ranks at ``at`` (``"prepare"``, ``"backward"``,
+        ``"save_state"``, ``"load_state"``); nothing in one process.
+
+        Raises:
+            kwplug.errors.RankMismatchError: on every rank, naming each differing setting
+                and each rank's value.
+            kwplug.errors.RankTimeoutError: a rank did not reach ``at`` within
+                ``KWPLUG_RANK_WAIT`` seconds (default: the process group's timeout).
+        """
+        process = self.setup.process
+        if process.world_size <= 1 or not dist.is_initialized():
+            return
+        described = self.description(at)
+        found = meet(
+            "agree",
+            at,
+            process.rank,
+            process.world_size,
+            digest(described),
+            lambda: json.dumps(described),  # key order: the message's field order
+        )
+        if found is not None:
+            raise mismatch_error([json.loads(text) for text in found], at=at)

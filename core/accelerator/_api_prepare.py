@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from kwplug.accelerator import _keywords
+from kwplug.accelerator._agreement import LiveAgreement
 from kwplug.accelerator._prepare import _Prepared
 
 if TYPE_CHECKING:
@@ -22,7 +23,15 @@ class _PrepareAPI:
     ``device_placement`` (or the Accelerator's) is ``False``."""
 
     _prepared: _Prepared
+    _agreement: LiveAgreement
     device_placement: bool
+
+    def _agree_on_models(self, count: int) -> None:
+        # Preparing a model is a collective (DDP's broadcast): the ranks' settings, as they
+        # are now, are compared first, and the first backward compares them again.
+        if count:
+            self._agreement.check("prepare")
+            self._agreement.backward_due = True
 
     def _placement(self, value: bool | None) -> bool:
         return (
@@ -66,6 +75,7 @@ class _PrepareAPI:
             TypeError: ``device_placement`` is not a list of ``bool``/``None``.
         """
         placements = _keywords.device_placements(device_placement, len(args))
+        self._agree_on_models(sum(isinstance(a, torch.nn.Module) for a in args))
         return self._prepared.prepare(args, [self._placement(p) for p in placements])
 
     def prepare_model(
@@ -90,9 +100,9 @@ class _PrepareAPI:
             TypeError: a flag is not a ``bool``.
         """
         place = self._placement(device_placement)
-        return self._prepared.model(
-            model, place, _keywords.check_bool("evaluation_mode", evaluation_mode)
-        )
+        evaluation_mode = _keywords.check_bool("evaluation_mode", evaluation_mode)
+        self._agree_on_models(0 if evaluation_mode else 1)
+        return self._prepared.model(model, place, evaluation_mode)
 
     def prepare_optimizer(
         self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None

@@ -26,6 +26,7 @@ from kwplug.checkpoint import (
 from kwplug.utils.dataclasses import ProjectConfiguration
 
 if TYPE_CHECKING:
+    from kwplug.accelerator._agreement import LiveAgreement
     from kwplug.accelerator._gradient_state import GradientState
     from kwplug.accelerator._prepare import _Prepared
     from kwplug.precision import LossScaler
@@ -47,6 +48,7 @@ class _SavingAPI:
     scaler: LossScaler | None
     gradient_state: GradientState
     _prepared: _Prepared
+    _agreement: LiveAgreement
 
     @property
     def project_dir(self) -> str | None:
@@ -211,6 +213,7 @@ class _SavingAPI:
             project_configuration=self.project_configuration,
             run=self._checkpoint_run,
             arrivals=self._save_arrivals,
+            agree=self._agreement.check,  # by a save every rank takes part in
             # How sharded models are saved: the wrapping plugin's state_dict_type, if any
             # (pluggy's last-registered answers first, as wrap_model's first answer).
             state_dict_type=next(
@@ -367,6 +370,7 @@ class _SavingAPI:
         """
         _keywords.check_load_state(load_kwargs, load_model_func_kwargs)
         _keywords.check_bool("exact_data_position", exact_data_position)
+        self._agreement.check("load_state")  # every rank loads: the settings agree first
         checkpoint = attrs.evolve(
             self._checkpoint_sources(), exact_data_position=exact_data_position
         )

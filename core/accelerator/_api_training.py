@@ -19,6 +19,7 @@ from kwplug.accelerator import _join
 from kwplug.accelerator._clip import clip_grad_norm
 
 if TYPE_CHECKING:
+    from kwplug.accelerator._agreement import LiveAgreement
     from kwplug.accelerator._gradient_state import GradientState
     from kwplug.accelerator._prepare import _Prepared
     from kwplug.accelerator._setup import _Setup
@@ -29,6 +30,7 @@ class _TrainingAPI:
 
     _setup: _Setup
     _prepared: _Prepared
+    _agreement: LiveAgreement
     gradient_state: GradientState
     distributed_type: Any  # the facade's property (._api_process)
 
@@ -136,7 +138,18 @@ class _TrainingAPI:
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)`` of ``loss / gradient_accumulation_steps``, scaled by the
-        loss scaler (:meth:`kwplug.precision.LossScaler.scale`) when there is one."""
+        loss scaler (:meth:`kwplug.precision.LossScaler.scale`) when there is one.
+
+        The first call after a ``prepare`` of a model compares the ranks' settings as they
+        are now (:class:`kwplug.accelerator._agreement.LiveAgreement`); later calls read one
+        flag.
+
+        Raises:
+            kwplug.errors.RankMismatchError: (first call, every rank) a setting differs.
+        """
+        if self._agreement.backward_due:
+            self._agreement.backward_due = False
+            self._agreement.check("backward")
         steps = self.gradient_state.plugin_kwargs.get("num_steps")  # = num_steps, inline
         if steps and steps > 1:
             loss = loss / int(steps)

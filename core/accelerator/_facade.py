@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -14,7 +15,7 @@ import torch
 from kwplug._environment import end_process_group
 from kwplug._plugins import Answer, KwplugPluginManager
 from kwplug.accelerator import _metrics, _ops
-from kwplug.accelerator._agreement import check_ranks_agree
+from kwplug.accelerator._agreement import LiveAgreement, check_ranks_agree
 from kwplug.accelerator._api_prepare import _PrepareAPI
 from kwplug.accelerator._api_process import _DataAndProcessAPI
 from kwplug.accelerator._api_saving import _SavingAPI
@@ -182,6 +183,8 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
         self.torch_device_mesh: Any = self._setup.device_mesh
         setup = self._setup
         check_ranks_agree(setup, options)  # one small all-gather when distributed
+        # ... and again at prepare, the first backward, save_state and load_state.
+        self._agreement = LiveAgreement(setup, options, weakref.ref(self))
         self.mixed_precision: str = setup.mixed_precision
         self.device_placement: bool = check_bool("device_placement", device_placement)
         self.handlers: list[KwargsHandler] = setup.handlers
@@ -289,7 +292,9 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
         return _metrics.reduce(tensor, reduction)
 
     def wait_for_everyone(self) -> None:
-        """``torch.distributed.barrier()`` when distributed; nothing otherwise."""
+        """``torch.distributed.barrier()`` when distributed; nothing otherwise. A rank that
+        does not arrive within ``KWPLUG_RANK_WAIT`` seconds (default: the process group's
+        timeout) is named by a :class:`kwplug.errors.RankTimeoutError` on the others."""
         _ops.wait_for_everyone(self.num_processes)
 
     def print(self, *args: Any, **kwargs: Any) -> None:

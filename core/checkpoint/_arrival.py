@@ -13,9 +13,11 @@ calling ``save_state`` -- training on, waiting in DDP's all-reduce -- is never n
   collective save (:data:`ALL`). Not all: a save by the main process alone (:data:`MAIN`),
   and the Accelerator remembers it (:class:`SaveArrivals`), so that its later saves are main
   process saves at once, without the wait. The decision is published in the store.
-- any other rank reads the decision of its ``n``-th save (waiting for rank 0 as long as the
-  store's timeout, the process group's): :data:`ALL` saves collectively; :data:`MAIN` means
-  rank 0 saved without it, and it returns with a ``KwplugWarning`` instead of hanging.
+- any other rank reads the decision of its ``n``-th save (waiting for rank 0 up to
+  ``KWPLUG_RANK_WAIT`` seconds, default the process group's timeout, then a
+  :class:`~kwplug.errors.RankTimeoutError` naming rank 0): :data:`ALL` saves collectively;
+  :data:`MAIN` means rank 0 saved without it, and it returns with a ``KwplugWarning`` instead
+  of hanging.
 
 What a main process save holds is in docs/reliability.md ("Saving from the main process
 only"); the load side is :func:`kwplug.checkpoint._resize.rank_entries`.
@@ -30,6 +32,8 @@ from typing import Literal
 
 import attrs
 import torch
+
+from kwplug._runtime import default_store, wait_for_ranks
 
 #: Seconds rank 0 waits for the other ranks' announcement of a save, by default.
 DEFAULT_WAIT = 30.0
@@ -101,12 +105,13 @@ def decide(arrivals: SaveArrivals, rank: int, world_size: int) -> Mode:
         return ALL
     # The default group's store: torch has no public accessor for it (torchelastic and
     # torch.distributed.checkpoint use this one too).
-    store = torch.distributed.distributed_c10d._get_default_store()
+    store = default_store()
     number = _next_number()
     arrived, decision = f"{_PREFIX}{number}/arrived", f"{_PREFIX}{number}/mode"
     if rank != 0:
         store.add(arrived, 1)
-        store.wait([decision])  # the store's own timeout: the process group's
+        # Bounded (KWPLUG_RANK_WAIT, default the process group's timeout), naming rank 0.
+        wait_for_ranks(store, [decision], "save_state", rank, world_size, lambda: [0])
         mode = store.get(decision).decode()
         return ALL if mode == ALL else SKIPPED
     mode = MAIN

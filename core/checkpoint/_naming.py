@@ -172,6 +172,8 @@ def save(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) 
     Raises:
         ValueError: no ``output_dir`` and no automatic naming; no ``project_dir``;
             ``checkpoint_<iteration>`` exists (other than a killed save's leftover).
+        kwplug.errors.RankMismatchError: (every rank) ``sources.agree`` found a setting
+            that differs between the ranks (``project_config``'s naming, ``total_limit``...).
         CheckpointError: from :func:`kwplug.checkpoint.save_state` (nothing is pruned then).
     """
     config = sources.project_configuration
@@ -193,6 +195,8 @@ def save(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) 
                 KwplugWarning,
                 stacklevel=3,
             )
+    else:  # every rank is here: settings assigned since (project_config...) must agree
+        sources.agree("save_state")
     if not config.automatic_checkpoint_naming:
         if output_dir is None:
             raise ValueError(

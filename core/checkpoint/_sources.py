@@ -117,6 +117,9 @@ class CheckpointSources:
             says (its ``state_dict_type``): ``"SHARDED_STATE_DICT"`` (each rank its shards,
             :mod:`kwplug.checkpoint._dcp`; ``None`` means it, Accelerate's FSDP2 default) or
             ``"FULL_STATE_DICT"`` (gathered to rank 0, :mod:`kwplug.checkpoint._sharded`).
+        agree: called with ``"save_state"`` by a save every rank takes part in, once all have
+            arrived and before anything is written: the Accelerator's rank agreement (raises
+            ``RankMismatchError`` on every rank when a setting differs); a no-op by default.
     """
 
     models: tuple[torch.nn.Module, ...]
@@ -139,6 +142,7 @@ class CheckpointSources:
     solo: bool = False
     exact_data_position: bool = False
     state_dict_type: Any = None
+    agree: Callable[[str], None] = lambda at: None
 
     @property
     def is_main_process(self) -> bool:

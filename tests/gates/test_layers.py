@@ -96,6 +96,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kwplug._launch",  # kwplug launch and its config file, kwplug env's text
             "kwplug._launch_config",
             "kwplug._env_report",
+            "kwplug._cli_child",
             "kwplug.__main__",
             "kwplug.testing",
         ),

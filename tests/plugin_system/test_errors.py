@@ -23,6 +23,7 @@ BUILTIN_BASES = {
     errors.CheckpointError: ValueError,
     errors.DistributedRunError: AssertionError,
     errors.RankMismatchError: RuntimeError,
+    errors.RankTimeoutError: RuntimeError,
     errors.PluginLoadWarning: UserWarning,
     errors.MissingFeatureError: RuntimeError,
     errors.PluginCacheWarning: UserWarning,
