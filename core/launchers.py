@@ -188,9 +188,9 @@ def _launch(function: Callable[..., Any], args: tuple[Any, ...], **config: Any) 
 
 def _named(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` with a ``__name__`` and ``__qualname__``: torch's ``elastic_launch`` names
-    its run and its error records after them, which a ``functools.partial`` or a callable object lacks
-    (Accelerate's ``start_processes`` does not ask; its tests launch partials). A new
-    partial carries the name, the user's object is left as it is."""
+    its run and its error records after them, which a ``functools.partial`` or a callable
+    object lacks (Accelerate's ``start_processes`` does not ask; its tests launch partials).
+    A new partial carries the names; the user's object is left as it is."""
     if hasattr(function, "__name__") and hasattr(function, "__qualname__"):
         return function
     inner: Any = function

@@ -49,6 +49,20 @@ def parse_flag_from_env(key: str, default: bool = False) -> bool:
 
 
 @contextlib.contextmanager
+def clear_environment() -> Iterator[None]:
+    """Empty ``os.environ`` for the duration of a ``with`` block (Accelerate's): on exit the
+    variables are exactly as before it (those the block added removed), also when it raises.
+    """
+    saved = os.environ.copy()
+    os.environ.clear()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
 def patch_environment(**kwargs: Any) -> Iterator[None]:
     """Set environment variables for the duration of a ``with`` block.
 
