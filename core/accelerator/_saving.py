@@ -20,9 +20,8 @@ from typing import Any, cast
 import torch
 
 from kwplug._plugins import KwplugPluginManager
-from kwplug._runtime import dedupe_shared, storage_key
+from kwplug._runtime import dedupe_shared, storage_key, write
 from kwplug._runtime import unwrap as unwrap  # unwrap_model's, shared with kwplug.utils
-from kwplug._runtime import write
 from kwplug.checkpoint import full_model_state, is_sharded
 
 logger = logging.getLogger(__name__)

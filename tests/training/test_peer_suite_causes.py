@@ -103,3 +103,83 @@ def test_utils_save_writes_on_the_main_process_only(
     assert not (tmp_path / "rank1.bin").exists()
     save({"w": torch.ones(1)}, tmp_path / "node.bin", save_on_each_node=True)
     assert (tmp_path / "node.bin").exists()  # local main of its node
+
+
+def test_init_empty_weights_puts_parameters_on_meta_and_buffers_only_when_asked() -> None:
+    from kwplug import init_empty_weights, init_on_device
+
+    with init_empty_weights():
+        model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.BatchNorm1d(1000))
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in model.parameters())
+    assert model[0].weight.shape == (1000, 1000) and model[0].weight.dtype == torch.float32
+    assert model[1].running_mean.device.type == "cpu"  # buffers stay (Accelerate's default)
+    with init_empty_weights(include_buffers=True):
+        norm = torch.nn.BatchNorm1d(8)
+    assert norm.running_mean.device.type == "meta" and norm.weight.device.type == "meta"
+    with init_on_device(torch.device("meta")):
+        frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    assert frozen.weight.device.type == "meta"
+    # Outside the block torch is as before.
+    assert torch.nn.Linear(2, 2).weight.device.type == "cpu"
+    assert torch.empty(1).device.type == "cpu"
+
+
+def test_init_empty_weights_reads_accelerates_buffers_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kwplug import init_empty_weights
+
+    monkeypatch.setenv("ACCELERATE_INIT_INCLUDE_BUFFERS", "1")
+    with init_empty_weights():
+        norm = torch.nn.BatchNorm1d(4)
+    assert norm.running_var.device.type == "meta"
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_load_checkpoint_in_model_reads_save_models_files_into_a_meta_model(
+    tmp_path: Path, safe: bool
+) -> None:
+    from kwplug import Accelerator, init_empty_weights, load_checkpoint_in_model
+
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    accelerator = Accelerator(cpu=True)
+    accelerator.save_model(source, tmp_path, max_shard_size="10KB", safe_serialization=safe)
+    assert len(list(tmp_path.glob("*.index.json"))) == 1  # sharded
+    with init_empty_weights():
+        target = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    load_checkpoint_in_model(target, tmp_path, strict=True)
+    for (name, mine), theirs in zip(
+        target.state_dict().items(), source.state_dict().values(), strict=True
+    ):
+        assert torch.equal(mine, theirs), name
+    half = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    load_checkpoint_in_model(half, tmp_path, dtype="float16")
+    assert half[0].weight.dtype == torch.float16
+    assert torch.equal(half[0].weight, source[0].weight.half())
+    accelerator.end_training()
+
+
+def test_big_model_inference_names_import_and_raise_naming_their_row(tmp_path: Path) -> None:
+    from kwplug import infer_auto_device_map, load_checkpoint_and_dispatch, load_checkpoint_in_model
+    from kwplug.big_modeling import cpu_offload_with_hook
+    from kwplug.hooks import attach_align_device_hook, remove_hook_from_module
+    from kwplug.utils.modeling import get_state_dict_from_offload
+
+    model = torch.nn.Linear(2, 2)
+    doc = (Path(__file__).parents[2] / "docs" / "migrating-from-accelerate.md").read_text()
+    calls = {
+        "infer_auto_device_map": lambda: infer_auto_device_map(model),
+        "load_checkpoint_and_dispatch": lambda: load_checkpoint_and_dispatch(model, tmp_path),
+        "cpu_offload_with_hook": lambda: cpu_offload_with_hook(model),
+        "get_state_dict_from_offload": lambda: get_state_dict_from_offload(model, "", {}),
+        "attach_align_device_hook": lambda: attach_align_device_hook(model),
+        "remove_hook_from_module": lambda: remove_hook_from_module(model),
+    }
+    for name, call in calls.items():
+        with pytest.raises(NotImplementedError, match=rf"`{name}` row of docs/migrating"):
+            call()
+        assert f"`{name}`" in doc
+    with pytest.raises(NotImplementedError, match=r"device_map=\.\.\."):
+        load_checkpoint_in_model(model, tmp_path, device_map={"": "cpu"})
