@@ -183,3 +183,88 @@ def test_big_model_inference_names_import_and_raise_naming_their_row(tmp_path: P
         assert f"`{name}`" in doc
     with pytest.raises(NotImplementedError, match=r"device_map=\.\.\."):
         load_checkpoint_in_model(model, tmp_path, device_map={"": "cpu"})
+
+
+def test_accelerates_loader_classes_construct_with_accelerates_arguments() -> None:
+    from torch.utils.data import DataLoader
+
+    from kwplug.data import DispatchedDataLoader, PreparedDataLoader
+    from kwplug.data_loader import DataLoaderDispatcher, DataLoaderShard, DataLoaderStateMixin
+
+    shard = DataLoaderShard(list(range(16)), batch_size=4)
+    assert type(shard) is PreparedDataLoader and isinstance(shard, DataLoaderShard)
+    assert isinstance(shard, DataLoader) and isinstance(shard, DataLoaderStateMixin)
+    assert not isinstance(shard, DataLoaderDispatcher)
+    for _ in range(2):  # Accelerate's test_end_of_dataloader: twice
+        ends = [shard.end_of_dataloader for _ in shard]
+        assert ends == [False, False, False, True]
+    assert [b.tolist() for b in shard] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 10, 11],
+        [12, 13, 14, 15],
+    ]
+    dispatcher = DataLoaderDispatcher(range(16), batch_size=4)
+    assert isinstance(dispatcher, DispatchedDataLoader) and isinstance(dispatcher, DataLoaderShard)
+    assert [dispatcher.end_of_dataloader for _ in dispatcher] == [False, False, False, True]
+    started = DataLoaderShard(list(range(8)), batch_size=4, iteration=3, skip_batches=1)
+    assert started.epoch == 3
+    assert [b.tolist() for b in started] == [[4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="torch_device_mesh"):
+        DataLoaderShard(list(range(8)), torch_device_mesh=object())
+    with pytest.raises(ValueError, match="rng_types"):
+        DataLoaderShard(list(range(8)), rng_types=["cuda"])
+
+
+def test_accelerates_stateful_loader_classes_are_torchdatas() -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from kwplug.data_loader import DataLoaderDispatcher, DataLoaderShard, SkipDataLoader
+
+    shard = DataLoaderShard(list(range(16)), batch_size=4, use_stateful_dataloader=True)
+    assert isinstance(shard, stateful.StatefulDataLoader) and shard.use_stateful_dataloader
+    assert [shard.end_of_dataloader for _ in shard] == [False, False, False, True]
+    dispatcher = DataLoaderDispatcher(range(16), batch_size=4, use_stateful_dataloader=True)
+    assert isinstance(dispatcher, stateful.StatefulDataLoader)
+    skip = SkipDataLoader(
+        list(range(16)), batch_size=4, skip_batches=2, use_stateful_dataloader=True
+    )
+    assert isinstance(skip, stateful.StatefulDataLoader)
+    assert [t.tolist() for t in skip] == [[8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def test_skip_batch_sampler_and_skip_data_loader_skip_every_iteration() -> None:
+    from torch.utils.data import BatchSampler
+
+    from kwplug.data_loader import SkipBatchSampler, SkipDataLoader
+
+    sampler = SkipBatchSampler(BatchSampler(range(16), batch_size=4, drop_last=False), 2)
+    assert list(sampler) == [[8, 9, 10, 11], [12, 13, 14, 15]] == list(sampler)
+    assert len(sampler) == 2 and sampler.total_length == 4
+    loader = SkipDataLoader(list(range(16)), batch_size=4, skip_batches=2)
+    for _ in range(2):
+        assert [t.tolist() for t in loader] == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    with pytest.raises(ValueError, match="skip_batches"):
+        SkipBatchSampler([[0]], -1)
+
+
+def test_skip_first_batches_of_a_loader_kwplug_did_not_prepare() -> None:
+    from torch.utils.data import DataLoader
+
+    from kwplug.data_loader import skip_first_batches
+
+    plain = DataLoader(list(range(16)), batch_size=4)
+    skipped = skip_first_batches(plain, num_batches=2)
+    assert skipped is not plain
+    assert [t.tolist() for t in skipped] == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    assert len([t for t in plain]) == 4  # the user's loader is untouched
+    with pytest.raises(TypeError, match="DataLoader"):
+        skip_first_batches([1, 2, 3], 1)
+
+
+def test_split_batches_error_says_round_multiple_as_accelerate() -> None:
+    from torch.utils.data import BatchSampler
+
+    from kwplug.data import BatchSamplerShard
+
+    with pytest.raises(ValueError, match="round multiple"):
+        BatchSamplerShard(BatchSampler(range(20), batch_size=3, drop_last=False), 2, 0, True)
