@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,51 @@ def test_split_batches_error_says_round_multiple_as_accelerate() -> None:
 
     with pytest.raises(ValueError, match="round multiple"):
         BatchSamplerShard(BatchSampler(range(20), batch_size=3, drop_last=False), 2, 0, True)
+
+
+def test_pad_across_processes_names_a_nested_tensor_in_one_process() -> None:
+    from kwplug.utils import CannotPadNestedTensorWarning, pad_across_processes
+
+    nested = torch.nested.nested_tensor([[1.0, 2.0, 3.0], [1.0], [1.0, 2.0]])
+    with pytest.warns(CannotPadNestedTensorWarning) as record:
+        same = pad_across_processes(nested)
+    assert same is nested
+    assert record[0].filename == __file__  # points at the caller
+    plain = torch.randn(4, 3, 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pad_across_processes(plain, dim=-1) is plain
+
+
+class _Selectable:
+    """What Accelerate's split_between_processes calls on a datasets.Dataset."""
+
+    def __init__(self, rows: list[int]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def select(self, indices: list[int]) -> _Selectable:
+        return _Selectable([self.rows[i] for i in indices])
+
+
+@pytest.mark.parametrize(
+    ("rank", "padding", "expected"),
+    [(0, False, [0, 1, 2]), (1, False, [3, 4]), (1, True, [3, 4, 4])],
+)
+def test_split_between_processes_selects_a_datasets_dataset(
+    rank: int, padding: bool, expected: list[int]
+) -> None:
+    from kwplug._runtime import split_between_processes
+
+    part = split_between_processes(_Selectable(list(range(5))), 2, rank, padding)
+    assert isinstance(part, _Selectable) and part.rows == expected
+
+
+def test_split_between_processes_a_real_datasets_dataset() -> None:
+    datasets = pytest.importorskip("datasets")
+    from kwplug._runtime import split_between_processes
+
+    data = datasets.Dataset.from_dict({"x": list(range(5))})
+    assert split_between_processes(data, 2, 1, True)["x"] == [3, 4, 4]
