@@ -146,15 +146,16 @@ class DataLoaderShard(PreparedDataLoader, metaclass=_KwplugClass):
     Accelerate's arguments, a one-process prepared loader over ``DataLoader(dataset,
     **kwargs)`` (Accelerate's shards nothing itself either: its batch sampler does).
 
-    Args:
-        dataset: the data set; ``kwargs``: ``DataLoader``'s other arguments.
-        device: batches are moved there (``None``, default: left in place).
-        rng_types: ``None`` or ``["generator"]`` (see :func:`prepare_data_loader`).
-        skip_batches: the first iteration skips that many batches (Accelerate's: every one).
-        use_stateful_dataloader: a torchdata ``StatefulDataLoader``, as Accelerate's.
-        _non_blocking: asynchronous host-to-device copies.
-        iteration: the epoch the loader starts at (``set_epoch``).
-        synchronized_generator, _drop_last, torch_device_mesh: only their defaults.
+    Accelerate's arguments, as kwplug reads them:
+
+    - ``dataset`` and ``kwargs``: ``DataLoader``'s arguments;
+    - ``device``: batches are moved there (``None``, default: left in place);
+    - ``rng_types``: ``None`` or ``["generator"]`` (see :func:`prepare_data_loader`);
+    - ``skip_batches``: the first iteration skips that many batches (Accelerate's: every one);
+    - ``use_stateful_dataloader``: a torchdata ``StatefulDataLoader``, as Accelerate's;
+    - ``_non_blocking``: asynchronous host-to-device copies;
+    - ``iteration``: the epoch the loader starts at (``set_epoch``);
+    - ``synchronized_generator``, ``_drop_last``, ``torch_device_mesh``: only their defaults.
 
     Raises:
         ValueError: an unsupported argument is set.
@@ -197,12 +198,11 @@ class DataLoaderDispatcher(DispatchedDataLoader, metaclass=_KwplugClass):
     and, called with Accelerate's arguments, one over ``DataLoader(dataset, **kwargs)``
     dispatched to this run's processes (:class:`kwplug.state.PartialState`'s).
 
-    Args:
-        dataset: the data set; ``kwargs``: ``DataLoader``'s other arguments.
-        split_batches: each batch is sliced across processes (else each process gets one).
-        skip_batches, use_stateful_dataloader, _non_blocking, iteration: as
-            :class:`DataLoaderShard`'s.
-        _drop_last, slice_fn, torch_device_mesh: only their defaults.
+    Accelerate's arguments, as kwplug reads them: ``dataset`` and ``kwargs`` (``DataLoader``'s
+    arguments); ``split_batches`` (each batch is sliced across processes, else each process
+    gets one); ``skip_batches``, ``use_stateful_dataloader``, ``_non_blocking``, ``iteration``
+    as :class:`DataLoaderShard`'s; ``_drop_last``, ``slice_fn``, ``torch_device_mesh`` only
+    their defaults.
 
     Raises:
         ValueError: an unsupported argument is set.

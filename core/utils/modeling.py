@@ -47,6 +47,10 @@ def load_checkpoint_in_model(
     ``accelerator.save_model`` writes. A model built under ``init_empty_weights`` (``meta``
     parameters) gets the loaded tensors themselves (``load_state_dict(assign=True)``), as does
     any model when ``dtype`` is given (its weights take that dtype, as with Accelerate).
+    The big-model inference options (``device_map``, ``offload_folder``,
+    ``offload_state_dict``, ``offload_buffers``, ``keep_in_fp32_modules``,
+    ``offload_8bit_bnb``, ``full_state_dict``, ``broadcast_from_rank0``) accept only their
+    defaults.
 
     Args:
         model: the model to fill.
@@ -55,9 +59,6 @@ def load_checkpoint_in_model(
             ``torch.dtype``). Default ``None``: as saved.
         strict: every model key must be in the checkpoint and no other (``load_state_dict``'s
             ``strict``). Default ``False``, as Accelerate's.
-        device_map, offload_folder, offload_state_dict, offload_buffers, keep_in_fp32_modules,
-            offload_8bit_bnb, full_state_dict, broadcast_from_rank0: big-model inference
-            options; only their defaults are accepted.
 
     Raises:
         NotImplementedError: a big-model inference option is given.
