@@ -11,6 +11,8 @@ import attrs
 
 from kwplug.validators import cut_error
 
+__all__ = ["AGREE", "TO_KWARGS", "KwargsHandler"]
+
 #: Field metadata key: ``attrs.field(metadata={TO_KWARGS: False})`` keeps a field out of
 #: :meth:`KwargsHandler.to_kwargs` (e.g. options consumed by kwplug itself, not by torch).
 TO_KWARGS = "kwplug.to_kwargs"

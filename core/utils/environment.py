@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 __all__ = [
+    "clear_environment",
     "parse_flag_from_env",
     "patch_environment",
     "purge_accelerate_environment",
