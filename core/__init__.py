@@ -18,6 +18,10 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug._plugins import Answer as Answer
     from kwplug._plugins import discover as discover
     from kwplug.accelerator import Accelerator as Accelerator
+    from kwplug.big_modeling import cpu_offload_with_hook as cpu_offload_with_hook
+    from kwplug.big_modeling import init_empty_weights as init_empty_weights
+    from kwplug.big_modeling import init_on_device as init_on_device
+    from kwplug.big_modeling import load_checkpoint_and_dispatch as load_checkpoint_and_dispatch
     from kwplug.comm_hooks import CommHook as CommHook
     from kwplug.comm_hooks import register_comm_hook as register_comm_hook
     from kwplug.comm_hooks import unregister_comm_hook as unregister_comm_hook
@@ -42,6 +46,8 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils import DistributedType as DistributedType
     from kwplug.utils import find_executable_batch_size as find_executable_batch_size
     from kwplug.utils import is_rich_available as is_rich_available
+    from kwplug.utils.modeling import infer_auto_device_map as infer_auto_device_map
+    from kwplug.utils.modeling import load_checkpoint_in_model as load_checkpoint_in_model
 
 #: Public name -> the module that defines it. The handlers are re-exported from
 #: :mod:`kwplug.plugins` (the core never refers to a built-in class), and the ``accelerate``
@@ -51,6 +57,12 @@ _EXPORTS: dict[str, str] = {
     "Accelerator": "kwplug.accelerator",
     "Answer": "kwplug._plugins",
     "discover": "kwplug._plugins",
+    "cpu_offload_with_hook": "kwplug.big_modeling",
+    "init_empty_weights": "kwplug.big_modeling",
+    "init_on_device": "kwplug.big_modeling",
+    "load_checkpoint_and_dispatch": "kwplug.big_modeling",
+    "infer_auto_device_map": "kwplug.utils.modeling",
+    "load_checkpoint_in_model": "kwplug.utils.modeling",
     "CommHook": "kwplug.comm_hooks",
     "register_comm_hook": "kwplug.comm_hooks",
     "unregister_comm_hook": "kwplug.comm_hooks",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -9,6 +10,8 @@ from typing import Any, ClassVar
 import attrs
 
 from kwplug.validators import cut_error
+
+__all__ = ["AGREE", "TO_KWARGS", "KwargsHandler"]
 
 #: Field metadata key: ``attrs.field(metadata={TO_KWARGS: False})`` keeps a field out of
 #: :meth:`KwargsHandler.to_kwargs` (e.g. options consumed by kwplug itself, not by torch).
@@ -64,7 +67,7 @@ class KwargsHandler:
 
     def to_dict(self) -> dict[str, Any]:
         """Return every field by name (shallow: values are not copied or converted)."""
-        return {f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if f.init}
+        return {name: getattr(self, name) for name, _ in _fields(type(self))}
 
     def to_kwargs(self) -> dict[str, Any]:
         """Return the fields whose value differs from a default-constructed instance.
@@ -74,16 +77,18 @@ class KwargsHandler:
         resolved values of ``cls()``, so ``InitProcessGroupKwargs().to_kwargs() == {}`` although
         its timeout is resolved to 600 s. Reads no environment variables.
 
+        A ``@dataclasses.dataclass`` subclass (Accelerate's ``KwargsHandler`` is a dataclass
+        mixin, and plugin authors coming from it write one) has its dataclass fields compared
+        the same way; an ``@attrs.define`` subclass its attrs fields.
+
         Returns:
             ``dict`` of field name to value, in field definition order.
         """
         defaults = _default_values(type(self))
         return {
-            f.name: value
-            for f in attrs.fields(type(self))
-            if f.init
-            and f.metadata.get(TO_KWARGS, True)
-            and (value := getattr(self, f.name)) != defaults[f.name]
+            name: value
+            for name, kept in _fields(type(self))
+            if kept and (value := getattr(self, name)) != defaults[name]
         }
 
 
@@ -111,11 +116,25 @@ def _cutting(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _fields(cls: type[KwargsHandler]) -> list[tuple[str, bool]]:
+    """``(name, goes into to_kwargs)`` of each constructor field of ``cls``: its dataclass
+    fields when ``cls`` is a dataclass (the attrs fields it inherits from this base are
+    none), else its attrs fields."""
+    if dataclasses.is_dataclass(cls):
+        return [
+            (f.name, bool(f.metadata.get(TO_KWARGS, True)))
+            for f in dataclasses.fields(cls)
+            if f.init
+        ]
+    return [(f.name, bool(f.metadata.get(TO_KWARGS, True))) for f in attrs.fields(cls) if f.init]
+
+
 _DEFAULTS: dict[type[KwargsHandler], dict[str, Any]] = {}
 
 
 def _default_values(cls: type[KwargsHandler]) -> dict[str, Any]:
     # Built once per class: handler construction must not depend on the environment.
     if cls not in _DEFAULTS:
-        _DEFAULTS[cls] = attrs.asdict(cls(), recurse=False)
+        default = cls()
+        _DEFAULTS[cls] = {name: getattr(default, name) for name, _ in _fields(cls)}
     return _DEFAULTS[cls]

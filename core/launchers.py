@@ -12,6 +12,7 @@ launchers do), so the function may be defined in the notebook or be a closure.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 from collections.abc import Callable, Iterator, Mapping
@@ -200,8 +201,25 @@ def _launch(function: Callable[..., Any], args: tuple[Any, ...], **config: Any) 
 
     # fork: the function need not be importable by a fresh interpreter (notebooks, closures).
     launch = LaunchConfig(start_method="fork", **config)
-    results: dict[int, Any] = elastic_launch(config=launch, entrypoint=function)(*args)
+    results: dict[int, Any] = elastic_launch(config=launch, entrypoint=_named(function))(*args)
     return results
+
+
+def _named(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` with a ``__name__`` and ``__qualname__``: torch's ``elastic_launch`` names
+    its run and its error records after them, which a ``functools.partial`` or a callable
+    object lacks (Accelerate's ``start_processes`` does not ask; its tests launch partials).
+    A new partial carries the names; the user's object is left as it is."""
+    if hasattr(function, "__name__") and hasattr(function, "__qualname__"):
+        return function
+    inner: Any = function
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    named = functools.partial(function)
+    name = getattr(inner, "__name__", type(inner).__name__)
+    named.__name__ = name  # type: ignore[attr-defined]
+    named.__qualname__ = getattr(inner, "__qualname__", name)  # type: ignore[attr-defined]
+    return named
 
 
 def _free_port() -> int:

@@ -22,7 +22,7 @@ def check_split(batch_size: int | None, num_processes: int, what: str) -> None:
     if batch_size is None or (batch_size > 1 and batch_size % num_processes != 0):
         raise ValueError(
             f"split_batches=True needs the batch size of the {what} ({batch_size}) to be a "
-            f"multiple of the number of processes ({num_processes})"
+            f"round multiple of the number of processes ({num_processes})"
         )
 
 

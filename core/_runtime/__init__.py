@@ -10,6 +10,7 @@ here imports either (``tests/gates/test_layers.py``).
 - ``_group``: process-group set-up through the plugins' ``init_process_group`` hook.
 - ``_live``: the live Accelerator that Accelerate's process-wide views describe.
 - ``_forward``: the mixed-precision forward ``prepare`` installs, and its removal.
+- ``_serialize``: one object to one file (``Accelerator.save``, ``kwplug.utils.save``).
 - ``_unwrap``: the model inside its wrappers (``unwrap_model``,
   ``extract_model_from_parallel``).
 """
@@ -37,6 +38,7 @@ from kwplug._runtime._ranks import (
     split_between_processes,
     wait_for_everyone,
 )
+from kwplug._runtime._serialize import dedupe_shared, storage_key, write
 from kwplug._runtime._unwrap import unwrap
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "assigned_distributed_type",
     "choose_device",
     "decorated",
+    "dedupe_shared",
     "default_store",
     "destroy_process_group_at_exit",
     "forget_accelerator",
@@ -60,7 +63,9 @@ __all__ = [
     "remove_mixed_precision",
     "run_if",
     "split_between_processes",
+    "storage_key",
     "unwrap",
     "wait_for_everyone",
     "wait_for_ranks",
+    "write",
 ]

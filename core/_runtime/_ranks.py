@@ -163,6 +163,9 @@ def split_between_processes(
     """This process's contiguous part of ``inputs`` (list, tuple, tensor, or a mapping of
     them, all of one length); the first ``len % num_processes`` processes get one more.
 
+    A ``datasets.Dataset`` (any sized object with a ``select(indices)`` method, the call
+    Accelerate makes) gives ``inputs.select(this process's indices)``.
+
     With ``apply_padding`` every part is made as long as the longest by repeating the last
     element of ``inputs``, so that the parts can be gathered (a process with nothing left
     gets only that). Other objects are returned whole.
@@ -180,7 +183,7 @@ def split_between_processes(
                 f"got {sorted(lengths)}"
             )
         length = lengths.pop() if lengths else 0
-    elif isinstance(inputs, (list, tuple, torch.Tensor)):
+    elif isinstance(inputs, (list, tuple, torch.Tensor)) or _selectable(inputs):
         length = len(inputs)
     else:
         return inputs
@@ -188,6 +191,11 @@ def split_between_processes(
     start = process_index * per_process + min(process_index, extras)
     end = start + per_process + (1 if process_index < extras else 0)
     longest = per_process + (1 if extras else 0)
+    if _selectable(inputs):
+        indices = list(range(start, end))
+        if apply_padding and length:
+            indices += [length - 1] * (longest - len(indices))
+        return inputs.select(indices)
 
     def part(values: Any) -> Any:
         if not isinstance(values, (list, tuple, torch.Tensor)):
@@ -203,6 +211,15 @@ def split_between_processes(
     if isinstance(inputs, Mapping):
         return type(inputs)({k: part(v) for k, v in inputs.items()})  # type: ignore[call-arg]
     return part(inputs)
+
+
+def _selectable(inputs: Any) -> bool:
+    # datasets.Dataset, without importing datasets: sized, with select(indices).
+    return (
+        not isinstance(inputs, (Mapping, list, tuple, torch.Tensor))
+        and callable(getattr(inputs, "select", None))
+        and hasattr(inputs, "__len__")
+    )
 
 
 def decorated(function: F | None, name: str) -> F:

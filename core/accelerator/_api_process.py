@@ -99,7 +99,8 @@ class _DataAndProcessAPI(Ranks):
         with the batches already seen (the batches Accelerate would give).
 
         Raises:
-            TypeError: ``dataloader`` was not prepared by kwplug.
+            TypeError: ``dataloader`` is not a ``DataLoader`` (one kwplug did not prepare
+                gets a new one-process prepared loader, :func:`kwplug.data.skip_first_batches`).
             ValueError: ``num_batches < 0``.
         """
         return data.skip_first_batches(dataloader, num_batches)

@@ -21,13 +21,16 @@ import torch
 
 from kwplug._logging import rank_logger
 from kwplug._plugins import KwplugPluginManager
+from kwplug._runtime import dedupe_shared, storage_key, write
 from kwplug._runtime import unwrap as unwrap  # unwrap_model's, shared with kwplug.utils
-from kwplug._umask import follow_umask
 from kwplug.checkpoint import full_model_state, is_sharded
 
 logger = logging.getLogger(__name__)
 #: Accelerate's lines, as its ``save_model`` logs them (main process, INFO).
 accelerate_logger = rank_logger(__name__)
+
+#: ``Accelerator.save``'s writer (``kwplug.utils.save`` shares it, with the weights-only check).
+save = write
 
 SAFE_WEIGHTS_PATTERN = "model{suffix}.safetensors"
 WEIGHTS_PATTERN = "pytorch_model{suffix}.bin"
@@ -47,27 +50,6 @@ def get_state_dict(
     if is_sharded(model):
         return cast("dict[str, torch.Tensor]", full_model_state(model))
     return model.state_dict()
-
-
-def dedupe_shared(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``state_dict`` without aliases, every tensor contiguous (safetensors refuses
-    tensors sharing storage): of names sharing one storage (tied weights) the first is kept,
-    as Accelerate's ``clean_state_dict_for_safetensors`` does."""
-    seen: set[tuple[Any, ...]] = set()
-    removed = []
-    cleaned: dict[str, Any] = {}
-    for name, tensor in state_dict.items():
-        if isinstance(tensor, torch.Tensor):
-            key = _storage_key(tensor)
-            if key in seen:
-                removed.append(name)
-                continue
-            seen.add(key)
-            tensor = tensor.contiguous()
-        cleaned[name] = tensor
-    if removed:
-        logger.warning("Removed shared tensor(s) %s while saving (tied weights)", removed)
-    return cleaned
 
 
 def parse_size(size: int | str) -> int:
@@ -97,7 +79,7 @@ def split_shards(state_dict: Mapping[str, torch.Tensor], max_bytes: int) -> list
     size = 0
     followers: dict[tuple[Any, ...], list[str]] = {}
     for name, tensor in state_dict.items():
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key in followers:
             followers[key].append(name)
             continue
@@ -117,23 +99,6 @@ def split_shards(state_dict: Mapping[str, torch.Tensor], max_bytes: int) -> list
         shard = next(s for s in shards if names[0] in s)
         shard.extend(names[1:])
     return shards
-
-
-def save(obj: Any, f: str | os.PathLike[str], safe_serialization: bool) -> None:
-    """``torch.save``, or ``safetensors.torch.save_file`` with ``{"format": "pt"}`` metadata
-    (aliases removed first) -- on the calling process; the facade decides who writes."""
-    if safe_serialization:
-        from safetensors.torch import save_file
-
-        save_file(dedupe_shared(obj), os.fspath(f), metadata={"format": "pt"})
-        # save_file's temporary file is 0600 whatever the umask; torch.save follows it.
-        fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-        try:
-            follow_umask(fd)
-        finally:
-            os.close(fd)
-    else:
-        torch.save(obj, f)
 
 
 def save_model(
@@ -212,12 +177,7 @@ def _stale_shards(directory: Path, pattern: str, keep: list[str]) -> Iterator[Pa
 def _storage_sizes(state_dict: Mapping[str, torch.Tensor]) -> Iterator[int]:
     seen = set()
     for tensor in state_dict.values():
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key not in seen:
             seen.add(key)
             yield tensor.untyped_storage().nbytes()
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    storage = tensor.untyped_storage()
-    return (tensor.device, storage.data_ptr(), storage.nbytes())

@@ -20,8 +20,9 @@ Modules, named as Accelerate's:
   ``normalize_device``, ``get_accelerator_free_memory``;
 - :mod:`kwplug.utils.other`: ``wait_for_everyone``, ``extract_model_from_parallel``;
   :mod:`kwplug.utils.progress`: ``tqdm``;
-- :mod:`kwplug.utils.environment`: ``patch_environment``, ``purge_accelerate_environment``,
-  ``str_to_bool``;
+- :mod:`kwplug.utils.environment`: ``patch_environment``, ``clear_environment``,
+  ``purge_accelerate_environment``, ``str_to_bool``;
+- ``KwargsHandler`` (:mod:`kwplug.handler`; ``@attrs.define`` or ``@dataclass`` subclasses);
 - the handlers (``AutocastKwargs``, ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
   ``InitProcessGroupKwargs``, ``ProfileKwargs``, ``TorchDynamoPlugin``),
   ``DDPCommunicationHookType`` and ``DynamoBackend``, from :mod:`kwplug.plugins`.
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING
 from kwplug._lazy import BUILTIN_HANDLERS, exporter
 
 if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
+    from kwplug.handler import KwargsHandler as KwargsHandler
     from kwplug.plugins import AutocastKwargs as AutocastKwargs
     from kwplug.plugins import DDPCommunicationHookType as DDPCommunicationHookType
     from kwplug.plugins import DistributedDataParallelKwargs as DistributedDataParallelKwargs
@@ -66,6 +68,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.devices import get_distributed_backend as get_distributed_backend
     from kwplug.utils.devices import get_torch_accelerator_backend as get_torch_accelerator_backend
     from kwplug.utils.devices import normalize_device as normalize_device
+    from kwplug.utils.environment import clear_environment as clear_environment
     from kwplug.utils.environment import parse_flag_from_env as parse_flag_from_env
     from kwplug.utils.environment import patch_environment as patch_environment
     from kwplug.utils.environment import (
@@ -130,6 +133,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.operations import pad_across_processes as pad_across_processes
     from kwplug.utils.operations import reduce as reduce
     from kwplug.utils.other import extract_model_from_parallel as extract_model_from_parallel
+    from kwplug.utils.other import save as save
     from kwplug.utils.other import wait_for_everyone as wait_for_everyone
     from kwplug.utils.progress import tqdm as tqdm
     from kwplug.utils.random import set_seed as set_seed
@@ -163,6 +167,8 @@ _EXPORTS: dict[str, str] = {
     "RNGType": "kwplug.utils.dataclasses",
     "GradientAccumulationPlugin": "kwplug.utils.dataclasses",
     "ProjectConfiguration": "kwplug.utils.dataclasses",
+    "KwargsHandler": "kwplug.handler",
+    "clear_environment": "kwplug.utils.environment",
     "parse_flag_from_env": "kwplug.utils.environment",
     "patch_environment": "kwplug.utils.environment",
     "purge_accelerate_environment": "kwplug.utils.environment",
@@ -237,6 +243,7 @@ _EXPORTS: dict[str, str] = {
     "get_torch_accelerator_backend": "kwplug.utils.devices",
     "normalize_device": "kwplug.utils.devices",
     "extract_model_from_parallel": "kwplug.utils.other",
+    "save": "kwplug.utils.other",
     "wait_for_everyone": "kwplug.utils.other",
     "tqdm": "kwplug.utils.progress",
     "synchronize_rng_state": "kwplug.utils.random",

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 __all__ = [
+    "clear_environment",
     "parse_flag_from_env",
     "patch_environment",
     "purge_accelerate_environment",
@@ -46,6 +47,20 @@ def parse_flag_from_env(key: str, default: bool = False) -> bool:
     """
     value = os.environ.get(key)
     return default if value is None else bool(str_to_bool(value))
+
+
+@contextlib.contextmanager
+def clear_environment() -> Iterator[None]:
+    """Empty ``os.environ`` for the duration of a ``with`` block (Accelerate's): on exit the
+    variables are exactly as before it (those the block added removed), also when it raises.
+    """
+    saved = os.environ.copy()
+    os.environ.clear()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @contextlib.contextmanager

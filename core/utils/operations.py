@@ -338,8 +338,8 @@ def pad_across_processes(
             differ.
     """
     world_size = _world_size()
-    if world_size == 1:
-        return recursively_apply(lambda t: t, tensor, error_on_other_type=True)
+    if world_size == 1:  # nothing to pad to; a nested tensor is still named, as Accelerate's
+        return recursively_apply(_warn_if_nested, tensor, error_on_other_type=True)
     _validate_tensors(tensor, "pad_across_processes")
     shapes: list[list[int] | None] = []
     recursively_apply(lambda t: shapes.append(None if t.is_nested else list(t.shape)), tensor)
@@ -358,12 +358,7 @@ def pad_across_processes(
     def pad_one(t: torch.Tensor) -> torch.Tensor:
         index = next(leaf)
         if t.is_nested:
-            warnings.warn(
-                "cannot pad a nested tensor without more information; left unpadded",
-                CannotPadNestedTensorWarning,
-                stacklevel=4,
-            )
-            return t
+            return _warn_if_nested(t, stacklevel=5)
         if not -t.dim() <= dim < t.dim():
             return t
         axis = dim % t.dim()
@@ -378,3 +373,14 @@ def pad_across_processes(
         return padded
 
     return recursively_apply(pad_one, tensor, error_on_other_type=True)
+
+
+def _warn_if_nested(t: torch.Tensor, stacklevel: int = 4) -> torch.Tensor:
+    # stacklevel: the user's call of pad_across_processes, through recursively_apply.
+    if t.is_nested:
+        warnings.warn(
+            "cannot pad a nested tensor without more information; left unpadded",
+            CannotPadNestedTensorWarning,
+            stacklevel=stacklevel,
+        )
+    return t

@@ -1,16 +1,21 @@
 """Accelerate's free functions of ``accelerate.utils.other`` that scripts call without an
-``Accelerator`` at hand: :func:`wait_for_everyone` and :func:`extract_model_from_parallel`.
+``Accelerator`` at hand: :func:`wait_for_everyone`, :func:`extract_model_from_parallel` and
+:func:`save`.
 
 Both stay below the Accelerator: the unwrapping and the live-Accelerator registry come from
 :mod:`kwplug._runtime`, which the Accelerator uses too."""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["extract_model_from_parallel", "wait_for_everyone"]
+from kwplug._environment import ProcessInfo
+from kwplug._runtime import write
+
+__all__ = ["extract_model_from_parallel", "save", "wait_for_everyone"]
 
 
 def wait_for_everyone() -> None:
@@ -73,3 +78,33 @@ def extract_model_from_parallel(
     return unwrap(
         model, plugins, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile
     )
+
+
+def save(
+    obj: Any,
+    f: str | os.PathLike[str] | BinaryIO,
+    save_on_each_node: bool = False,
+    safe_serialization: bool = False,
+) -> None:
+    """Save ``obj`` to ``f`` on the main process (Accelerate's ``accelerate.utils.save``).
+
+    With ``safe_serialization=True``, ``safetensors.torch.save_file`` with ``{"format":
+    "pt"}`` metadata (a dict of tensors; tensors sharing storage, tied weights, kept once under
+    the first name with a WARNING log, as Accelerate's). Otherwise ``torch.save``, but only of
+    what ``torch.load(f, weights_only=True)`` reads back, checked before writing: loading the
+    file never needs to run code (Accelerate pickles anything).
+
+    Args:
+        obj: the object (a state dict, a tensor, containers of tensors and numbers).
+        f: a path, or a binary file object (not with ``safe_serialization``).
+        save_on_each_node: ``True``: the main process of each node writes (``LOCAL_RANK``
+            0), not only global rank 0. Default ``False``.
+        safe_serialization: safetensors instead of ``torch.save``. Default ``False``.
+
+    Raises:
+        TypeError: ``obj`` holds a type torch's ``weights_only`` loader refuses (named), or
+            ``f`` is not a path with ``safe_serialization``.
+    """
+    info = ProcessInfo.current()
+    if (info.local_rank if save_on_each_node else info.rank) == 0:
+        write(obj, f, safe_serialization, weights_only=True)

@@ -81,6 +81,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kwplug.logging",
             "kwplug.launchers",
             "kwplug.local_sgd",
+            "kwplug.big_modeling",
+            "kwplug.hooks",
             "kwplug.parallelism_config",
         ),
     ),

@@ -33,6 +33,8 @@ def test_both_launchers_run_a_function_in_two_processes() -> None:
             str(rank): [tag, rank, 2, "cpu:0", precision, 3.0, "gloo"] for rank in (0, 1)
         }, tag
     assert returned["single"] is None  # one process: run here, as Accelerate
+    # A functools.partial (no __name__) launches too: Accelerate's test_scheduler does this.
+    assert returned["partial"] == {"0": ["partial", 0, 1, "cpu", 1.0, None]}
 
 
 def test_signatures_are_accelerates() -> None:

@@ -1,6 +1,7 @@
 """Runs a function through kwplug's notebook_launcher and debug_launcher, 2 processes each,
 and prints what they returned as JSON (tests/training/test_launchers.py)."""
 
+import functools
 import json
 import sys
 
@@ -30,4 +31,7 @@ if __name__ == "__main__":
         lambda: train("notebook"), num_processes=2, use_port=port, mixed_precision="bf16"
     )
     single = notebook_launcher(train, ("single",), num_processes=1)
-    print(json.dumps({"debug": debug, "notebook": notebook, "single": single}), flush=True)
+    # Accelerate's own tests launch functools.partial objects (no __name__).
+    partial = debug_launcher(functools.partial(train, "partial"), num_processes=1)
+    result = {"debug": debug, "notebook": notebook, "single": single, "partial": partial}
+    print(json.dumps(result), flush=True)
