@@ -231,7 +231,7 @@ class HookCalls:
     ) -> list[tuple[str, Any]]:
         # ``added``: plain implementations called before every registered one (per-call
         # handlers), not kept with the twins.
-        if not twins.wrapped and not _watched(self._pm):
+        if not twins.wrapped and not is_watched(self._pm):
             return self._plain(hook, [*twins.source, *added], kwargs, firstresult)
         if twins.impls is None:
             twins.impls = [
@@ -356,8 +356,9 @@ _PLAIN_OPTS: pluggy.HookimplOpts = {
 }
 
 
-def _watched(pm: Any) -> bool:
-    # Tracing or monitoring (counted by the manager), or _hookexec overridden.
+def is_watched(pm: Any) -> bool:
+    """Whether tracing or monitoring watches ``pm`` (counted by the manager), or its
+    ``_hookexec`` is overridden: hook calls must then go through ``_hookexec``."""
     return (
         pm.watched
         or type(pm)._hookexec is not pluggy.PluginManager._hookexec
