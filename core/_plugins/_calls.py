@@ -120,8 +120,17 @@ class _Twins:
     def __init__(self, source: list[pluggy.HookImpl]) -> None:
         self.source = source
         self.impls: list[pluggy.HookImpl] | None = None
-        self.wrapped = any(i.wrapper or i.hookwrapper for i in source)
-        self.handlers = _handlers(source)
+        # Plain loops, no generators: every hook's first call per Accelerator builds one.
+        wrapped = False
+        handlers: list[KwargsHandler] = []
+        for impl in source:
+            if impl.wrapper or impl.hookwrapper:
+                wrapped = True
+            plugin = impl.plugin
+            if isinstance(plugin, KwargsHandler) and attrs.has(type(plugin)):
+                handlers.append(plugin)
+        self.wrapped = wrapped
+        self.handlers = tuple(handlers)
 
 
 class HookCalls:
@@ -331,14 +340,6 @@ def _answer(hook: str, answers: list[tuple[str, Any]]) -> Answer:
         name, result = answers[-1]
         return Answer(hook, result, name, asked)
     return Answer(hook, None, None, asked)
-
-
-def _handlers(impls: Sequence[pluggy.HookImpl]) -> tuple[KwargsHandler, ...]:
-    # The attrs handlers among the implementations' plugins, in storage order (re-validated
-    # at each call; a per-call handler has plugin None and was checked by the caller).
-    return tuple(
-        i.plugin for i in impls if isinstance(i.plugin, KwargsHandler) and attrs.has(type(i.plugin))
-    )
 
 
 def _per_call_impl(function: Callable[..., Any]) -> pluggy.HookImpl:
