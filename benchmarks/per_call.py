@@ -9,7 +9,9 @@
   outside a prepared loader (one process: the input comes back). Raw is a Python function
   that returns its argument: the whole figure is the library's overhead.
 
-The goal (issue 20, goal 1): each within 1.5x of Accelerate's time per call, or better.
+The goals: each within 1.5x of Accelerate's time per call, or better (issue 20, goal 1);
+``accumulate`` with 4 micro-batches at most Accelerate's time (issue 31, goal 2: the
+non-synchronising micro-batches make no hook call and record nothing).
 
 Run: ``python -m benchmarks.per_call [--quick] [--json PATH]``.
 """
@@ -36,6 +38,8 @@ from benchmarks._common import (
 DESCRIPTION = "µs per `accumulate` block and per `gather_for_metrics` call, vs Accelerate."
 #: kwplug's time per call may be at most this multiple of Accelerate's.
 GOAL_VS_ACCELERATE = 1.5
+#: ... and for these cases at most this one (issue 31, goal 2).
+GOALS_VS_ACCELERATE = {"accumulate, steps=4": 1.0}
 _METRIC = torch.ones(32)
 
 
@@ -98,6 +102,7 @@ def run(quick: bool, with_accelerate: bool) -> Result:
     ]
     samples_by_case = {}
     for case, raw, via, steps in cases:
+        goal = GOALS_VS_ACCELERATE.get(case, GOAL_VS_ACCELERATE)
         fns: dict[str, Callable[[int], None]] = {"raw": raw}
         for impl in frameworks:
             fns[impl] = via(make_accelerator(impl, gradient_accumulation_steps=steps))
@@ -109,11 +114,11 @@ def run(quick: bool, with_accelerate: bool) -> Result:
             ratio = median(ratios)
             result.checks[f"{case}: kwplug / accelerate"] = ratio
             result.targets.append(
-                Target(f"{case}: kwplug time / Accelerate's", ratio, "<=", GOAL_VS_ACCELERATE, "x")
+                Target(f"{case}: kwplug time / Accelerate's", ratio, "<=", goal, "x")
             )
         else:  # the goal is relative to Accelerate: not measurable without it
             result.targets.append(
-                Target(f"{case}: kwplug time / Accelerate's", None, "<=", GOAL_VS_ACCELERATE, "x")
+                Target(f"{case}: kwplug time / Accelerate's", None, "<=", goal, "x")
             )
     result.info = {"reps": reps, "calls_per_block": n, "samples_s_per_call": samples_by_case}
     return result

@@ -219,9 +219,12 @@ class HandlerSpec:
             model is not this plugin's wrapper). If no plugin answers, ``Accelerator.no_sync``
             returns ``contextlib.nullcontext()``: the model does not synchronise anyway.
 
-        Called by: ``Accelerator.no_sync(model)``, which ``Accelerator.accumulate(*models)``
-        enters for each model on the micro-batches that do not end an accumulation (not at
-        all with ``gradient_accumulation_steps=1``). ``firstresult``: yes.
+        Called by: ``Accelerator.no_sync(model)``, and ``Accelerator.accumulate(*models)`` for
+        each model on the micro-batches that do not end an accumulation (not at all with
+        ``gradient_accumulation_steps=1``). A plugin implementing this hook is asked on every
+        such micro-batch; only while kwplug's own implementations alone answer it (and
+        nothing traces the plugin manager) does ``accumulate`` ask once per model and then
+        call the one that answered directly. ``firstresult``: yes.
         """
 
     @spec(ONE_ANSWER)

@@ -7,12 +7,12 @@ from typing import Any, Protocol
 
 import torch
 
-#: Scheduler class -> whether ``total_steps`` can only be an instance attribute (read from
-#: ``__dict__``): the class neither defines it nor customises attribute access.
-_PLAIN: dict[type, bool] = {}
+from kwplug.optimizer import AcceleratedOptimizer
 
 
 def _plain_attributes(cls: type) -> bool:
+    # Whether ``total_steps`` can only be an instance attribute (read from ``__dict__``): the
+    # class neither defines it nor customises attribute access.
     return (
         getattr(cls, "__getattribute__") is object.__getattribute__  # noqa: B009 - mypy
         and not hasattr(cls, "__getattr__")
@@ -72,11 +72,34 @@ class AcceleratedScheduler:
         self.num_processes = num_processes
         self.step_with_optimizer = step_with_optimizer
         self.split_batches = split_batches
+        self._plan: tuple[bool, int, bool] | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Any assignment (num_processes, split_batches, optimizers...) invalidates what step()
+        # precomputed from the attributes.
+        object.__setattr__(self, name, value)
+        if name != "_plan":
+            object.__setattr__(self, "_plan", None)
+
+    def _make_plan(self) -> tuple[bool, int, bool]:
+        # (step on every call, scheduler steps per optimizer step, whether the scheduler's
+        # class may hold a total_steps elsewhere than in its __dict__): what step() would
+        # otherwise work out at each call.
+        plan = (
+            not self.step_with_optimizer,
+            1 if self.split_batches else self.num_processes,
+            not _plain_attributes(type(self.scheduler)),
+        )
+        self._plan = plan
+        return plan
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Step the scheduler as described on the class."""
+        plan = self._plan
+        if plan is None:
+            plan = self._make_plan()
         scheduler = self.scheduler
-        if not self.step_with_optimizer:
+        if plan[0]:
             scheduler.step(*args, **kwargs)
             return
         state = self.gradient_state
@@ -85,23 +108,25 @@ class AcceleratedScheduler:
                 scheduler._step_count += 1
             return
         for opt in self.optimizers:  # a plain loop: no generator per step
+            # A prepared optimizer without a loss scaler never skips a step: no property call.
+            if type(opt) is AcceleratedOptimizer and opt._updates is None:
+                continue
             if getattr(opt, "step_was_skipped", False):
                 return
-        for _ in range(1 if self.split_batches else self.num_processes):
-            total = self._total_steps(scheduler)  # OneCycleLR's limit, else None
+        if plan[1] == 1 and not plan[2] and not args and not kwargs:  # the usual case
+            total = scheduler.__dict__.get("total_steps")  # OneCycleLR's limit, else None
+            if total is None or scheduler._step_count <= total:
+                scheduler.step()
+            return
+        for _ in range(plan[1]):
+            # OneCycleLR's limit (an instance attribute), else None
+            total = (
+                getattr(scheduler, "total_steps", None)
+                if plan[2]
+                else scheduler.__dict__.get("total_steps")
+            )
             if total is None or scheduler._step_count <= total:
                 scheduler.step(*args, **kwargs)
-
-    @staticmethod
-    def _total_steps(scheduler: Any) -> Any:
-        # getattr(scheduler, "total_steps", None), without raising and catching an
-        # AttributeError per step for the schedulers that have none (all but OneCycleLR).
-        plain = _PLAIN.get(type(scheduler))
-        if plain is None:
-            plain = _PLAIN[type(scheduler)] = _plain_attributes(type(scheduler))
-        if plain:
-            return scheduler.__dict__.get("total_steps")
-        return getattr(scheduler, "total_steps", None)
 
     def get_last_lr(self) -> list[Any]:
         """The wrapped scheduler's ``get_last_lr()``."""

@@ -120,8 +120,17 @@ class _Twins:
     def __init__(self, source: list[pluggy.HookImpl]) -> None:
         self.source = source
         self.impls: list[pluggy.HookImpl] | None = None
-        self.wrapped = any(i.wrapper or i.hookwrapper for i in source)
-        self.handlers = _handlers(source)
+        # Plain loops, no generators: every hook's first call per Accelerator builds one.
+        wrapped = False
+        handlers: list[KwargsHandler] = []
+        for impl in source:
+            if impl.wrapper or impl.hookwrapper:
+                wrapped = True
+            plugin = impl.plugin
+            if isinstance(plugin, KwargsHandler) and attrs.has(type(plugin)):
+                handlers.append(plugin)
+        self.wrapped = wrapped
+        self.handlers = tuple(handlers)
 
 
 class HookCalls:
@@ -231,7 +240,7 @@ class HookCalls:
     ) -> list[tuple[str, Any]]:
         # ``added``: plain implementations called before every registered one (per-call
         # handlers), not kept with the twins.
-        if not twins.wrapped and not _watched(self._pm):
+        if not twins.wrapped and not is_watched(self._pm):
             return self._plain(hook, [*twins.source, *added], kwargs, firstresult)
         if twins.impls is None:
             twins.impls = [
@@ -333,14 +342,6 @@ def _answer(hook: str, answers: list[tuple[str, Any]]) -> Answer:
     return Answer(hook, None, None, asked)
 
 
-def _handlers(impls: Sequence[pluggy.HookImpl]) -> tuple[KwargsHandler, ...]:
-    # The attrs handlers among the implementations' plugins, in storage order (re-validated
-    # at each call; a per-call handler has plugin None and was checked by the caller).
-    return tuple(
-        i.plugin for i in impls if isinstance(i.plugin, KwargsHandler) and attrs.has(type(i.plugin))
-    )
-
-
 def _per_call_impl(function: Callable[..., Any]) -> pluggy.HookImpl:
     # A plain implementation for a per-call handler's bound method (not registered).
     return pluggy.HookImpl(None, PER_CALL, function, _PLAIN_OPTS)
@@ -356,8 +357,9 @@ _PLAIN_OPTS: pluggy.HookimplOpts = {
 }
 
 
-def _watched(pm: Any) -> bool:
-    # Tracing or monitoring (counted by the manager), or _hookexec overridden.
+def is_watched(pm: Any) -> bool:
+    """Whether tracing or monitoring watches ``pm`` (counted by the manager), or its
+    ``_hookexec`` is overridden: hook calls must then go through ``_hookexec``."""
     return (
         pm.watched
         or type(pm)._hookexec is not pluggy.PluginManager._hookexec

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import pluggy
 
-from kwplug._plugins._calls import PER_CALL, Answer, HookCalls, revalidate
+from kwplug._plugins._calls import PER_CALL, Answer, HookCalls, is_watched, revalidate
 from kwplug._plugins._conflicts import conflict_error, find_conflicts
 from kwplug._plugins._records import PluginRecord, loaded, plugin_object
 from kwplug._plugins._relays import EachRelay, FirstRelay
@@ -75,6 +75,8 @@ class KwplugPluginManager(pluggy.PluginManager):
         self.plan: dict[str, Answer] = {}
         self._monitors = 0  # add_hookcall_monitoring calls not undone (enable_tracing's too)
         self._calls = HookCalls(self)
+        # Hook name -> (its implementations when last checked, whether all are kwplug's own).
+        self._own: dict[str, tuple[list[pluggy.HookImpl], bool]] = {}
         #: The one-answer hooks, by name: ``plugins.first.autocast(device_type=...)``.
         self.first = FirstRelay(self._calls.first)
         #: The collecting hooks, by name: ``plugins.each.comm_hooks()``.
@@ -213,6 +215,34 @@ class KwplugPluginManager(pluggy.PluginManager):
     def is_third_party(self, name: str) -> bool:
         """Whether ``name`` is a third-party plugin registered by default."""
         return name in self._third_party
+
+    def own_implementations(self, hook: str) -> list[pluggy.HookImpl] | None:
+        """The implementations of ``hook`` (storage order: the last answers first) when calling
+        them directly would be a hook call nobody can tell from pluggy's, else ``None``.
+
+        That is: nothing watches the manager (no ``enable_tracing``, no
+        ``add_hookcall_monitoring``, ``_hookexec`` not overridden), no implementation is a
+        wrapper, and every one is kwplug's own code (its function defined in a ``kwplug``
+        module) registered by kwplug or by the user -- not a third-party default plugin, not a
+        user handler overriding the method. A registration after the check is seen at the next
+        call (the implementations are compared each time).
+        """
+        impls: list[pluggy.HookImpl] = getattr(self.hook, hook).get_hookimpls()
+        if is_watched(self):
+            return None
+        known = self._own.get(hook)
+        if known is None or known[0] != impls:  # HookImpl compares by identity
+            known = self._own[hook] = (impls, all(map(self._is_own, impls)))
+        return impls if known[1] else None
+
+    def _is_own(self, impl: pluggy.HookImpl) -> bool:
+        function = getattr(impl.function, "__func__", impl.function)
+        module = getattr(function, "__module__", None) or ""
+        return (
+            not (impl.wrapper or impl.hookwrapper)
+            and (module == "kwplug" or module.startswith("kwplug."))
+            and not self.is_third_party(impl.plugin_name)
+        )
 
     def hook_impls(self, hook: str) -> list[pluggy.HookImpl]:
         """The implementations of ``hook`` in pluggy's storage order (the last answers first)."""

@@ -56,9 +56,9 @@ class _Slot:
     source: Any
 
 
-# (the impl's slots other than plugin and function as (setter, value) pairs, the function
-# to bind to the new plugin object)
-_Rebind = tuple[tuple[tuple[Callable[[pluggy.HookImpl, Any], None], Any], ...], Callable[..., Any]]
+# (a HookImpl subclass holding the impl's attributes other than plugin and function, the
+# function to bind to the new plugin object)
+_Rebind = tuple[type[pluggy.HookImpl], Callable[..., Any]]
 
 # HookImpl's slot descriptors: setting a slot through its descriptor is several times faster
 # than setattr by name or copy.copy, and every Accelerator re-binds each handler's impls.
@@ -174,11 +174,9 @@ def _fill(template: _Template, handlers: Sequence[KwargsHandler]) -> KwplugPlugi
             if rebind is None:
                 out.append(impl)
                 continue
-            pairs, function = rebind
+            constant, function = rebind
             obj = objects[index]
-            twin = new(pluggy.HookImpl)
-            for setter, value in pairs:
-                setter(twin, value)
+            twin = new(constant)
             set_plugin(twin, obj)
             set_function(twin, method(function, obj))
             out.append(twin)
@@ -190,9 +188,15 @@ def _rebind(impl: pluggy.HookImpl, kind: str) -> _Rebind | None:
     # How _fill re-binds ``impl`` to a new object of its slot (None: a shared plugin's impl).
     if kind == _SHARED:
         return None
-    pairs = tuple(
-        (descriptor.__set__, descriptor.__get__(impl))
+    # A subclass whose class attributes are the impl's options and argument names: they
+    # shadow HookImpl's slots (read-only for pluggy, which never assigns them after
+    # __init__), so a copy sets two slots instead of eleven -- this runs for every user or
+    # fresh handler implementation of every Accelerator.
+    constant = {
+        name: descriptor.__get__(impl)
         for name, descriptor in _SLOTS.items()
         if name not in ("plugin", "function")
-    )
-    return pairs, cast(types.MethodType, impl.function).__func__
+    }
+    subclass = type(pluggy.HookImpl.__name__, (pluggy.HookImpl,), {"__slots__": (), **constant})
+    subclass.__module__ = pluggy.HookImpl.__module__
+    return subclass, cast(types.MethodType, impl.function).__func__

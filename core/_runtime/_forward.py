@@ -108,7 +108,7 @@ class AutocastForward:
             and (settings[1] is None or _get_dtype(settings[0]) == settings[1])
             and (settings[2] is None or _cache_on() is settings[2])
         ):
-            outputs = self._nested(settings[0], args, kwargs)
+            outputs = self._nested(settings, args, kwargs)
         else:
             with self.autocast():
                 outputs = self.__wrapped__(*args, **kwargs)
@@ -116,9 +116,16 @@ class AutocastForward:
             return outputs.float() if outputs.dtype in _LOW_PRECISION else outputs
         return convert_to_fp32(outputs)
 
-    def _nested(self, device: str, args: Any, kwargs: Any) -> Any:
-        # torch.autocast's __enter__/__exit__ when its state is already the current one.
-        dtype, cache = _get_dtype(device), _cache_on()
+    def _nested(
+        self, settings: tuple[str, torch.dtype | None, bool | None], args: Any, kwargs: Any
+    ) -> Any:
+        # torch.autocast's __enter__/__exit__ when its state is already the current one: the
+        # state the checks found equal to the settings is not read again.
+        device, dtype, cache = settings
+        if dtype is None:
+            dtype = _get_dtype(device)
+        if cache is None:
+            cache = _cache_on()
         torch.autocast_increment_nesting()
         try:
             return self.__wrapped__(*args, **kwargs)

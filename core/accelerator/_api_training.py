@@ -17,6 +17,7 @@ import torch
 
 from kwplug.accelerator import _join
 from kwplug.accelerator._clip import clip_grad_norm
+from kwplug.accelerator._sync_off import SyncOff
 
 if TYPE_CHECKING:
     from kwplug.accelerator._agreement import LiveAgreement
@@ -33,6 +34,7 @@ class _TrainingAPI:
     _agreement: LiveAgreement
     gradient_state: GradientState
     distributed_type: Any  # the facade's property (._api_process)
+    _sync_off: SyncOff | None = None  # accumulate's no_sync contexts, made at first need
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
@@ -44,19 +46,35 @@ class _TrainingAPI:
         ``sync_each_batch``), and prepared optimizers and schedulers skip ``step`` and
         ``zero_grad``. :meth:`backward` divides the loss by the number of steps.
 
+        The ``no_sync`` hook is asked once per model; while kwplug's own implementations
+        alone answer it and nothing traces the plugin manager, later micro-batches call the
+        implementation that answered directly, or enter nothing when none did (one process,
+        an unwrapped model), as Accelerate does (:mod:`kwplug.accelerator._sync_off`).
+
         Args:
             models: prepared models whose gradient synchronisation is suppressed on
                 non-synchronising steps.
         """
         state = self.gradient_state
         state.do_sync()
-        skip = not state.sync_gradients and not (
-            self._setup.process.world_size > 1 and state.sync_each_batch
-        )
+        if (
+            state.sync_gradients
+            or not models
+            or (self._setup.process.world_size > 1 and state.sync_each_batch)
+        ):
+            yield
+            return
+        # The no_sync hook once per model, then no hook call where kwplug's own
+        # implementations alone answer it (._sync_off says when).
+        sync_off = self._sync_off
+        if sync_off is None:
+            sync_off = self._sync_off = SyncOff(self._setup.plugins)
+        overridden = type(self).no_sync is not _TrainingAPI.no_sync  # a subclass's: call it
         with contextlib.ExitStack() as stack:
-            if skip:
-                for model in models:
-                    stack.enter_context(self.no_sync(model))
+            for model in models:
+                context = self.no_sync(model) if overridden else sync_off.context(model)
+                if context is not None:
+                    stack.enter_context(context)
             yield
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
