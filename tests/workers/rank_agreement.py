@@ -75,7 +75,9 @@ def main() -> None:
     if scenario == "absent_rank":
         # Rank 1 joins the process group but never constructs an Accelerator.
         if RANK == 1:
-            dist.init_process_group("gloo", timeout=timedelta(seconds=3))
+            # Its own rendezvous waits for rank 0's import (seconds on a loaded machine): the
+            # 3 s under test is rank 0's, below.
+            dist.init_process_group("gloo", timeout=timedelta(seconds=60))
             time.sleep(20)
             return
         kwargs: dict[str, Any] = {"kwargs_handlers": [InitProcessGroupKwargs(timeout=3)]}
