@@ -265,15 +265,6 @@ def _read(sources: CheckpointSources, folder: Path) -> dict[str, Any]:
     return plan
 
 
-def _share(sources: CheckpointSources, value: Any) -> list[Any]:
-    # Every process's refusal, so that all raise together instead of hanging apart.
-    if sources.num_processes <= 1 or sources.solo:
-        return [value]
-    values: list[Any] = [None] * sources.num_processes
-    torch.distributed.all_gather_object(values, value)
-    return values
-
-
 def _set_rng(sources: CheckpointSources, states: dict[str, Any]) -> None:
     random.setstate(states["random_state"])
     try:
@@ -318,7 +309,7 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
         plan = _read(sources, folder)
     except CheckpointError as exc:
         error = exc
-    others = [e for e in _share(sources, None if error is None else str(error)) if e is not None]
+    others = [e for e in sources.gather(None if error is None else str(error)) if e is not None]
     if error is not None:
         raise error
     if others:

@@ -30,16 +30,6 @@ if TYPE_CHECKING:
     from kwplug.checkpoint._sources import CheckpointSources
 
 
-def _share(sources: CheckpointSources, value: Any) -> list[Any]:
-    # Every rank's value, so that all ranks raise together instead of hanging apart (a save by
-    # the main process alone enters no collective: the others are not in save_state).
-    if sources.num_processes <= 1 or sources.solo:
-        return [value]
-    values: list[Any] = [None] * sources.num_processes
-    torch.distributed.all_gather_object(values, value)
-    return values
-
-
 def _warn_other_folder(what: str, mine: Path, first: Path) -> None:
     warnings.warn(
         f"{what}: this process passed {mine}, process 0 passed {first}; the processes of a "
@@ -116,7 +106,7 @@ def save_state(
                 staging = commit.begin(directory)
             except (OSError, CheckpointError) as exc:
                 error = _failed(exc, f"saving a checkpoint into {directory}")
-        shared = _share(sources, (staging and str(staging), error, str(directory)))
+        shared = sources.gather((staging and str(staging), error, str(directory)))
         staging_name, error, first = shared[0]
         if error is not None:
             raise CheckpointError(error, directory)
@@ -151,7 +141,7 @@ def save_state(
                 records[entry.file] = codec.write_state(file, state, {"class": entry.kind})
             except (OSError, TypeError) as exc:
                 error = f"{_failed(exc, f'writing {staging / entry.file}')}"
-        shared = _share(sources, (records, error))
+        shared = sources.gather((records, error))
         errors = [e for _, e in shared if e is not None]
         if main:
             try:
@@ -165,7 +155,7 @@ def save_state(
             if errors:
                 commit.abort(staging, hooks_wrote=bool(sources.pre_hooks.save))
             commit.reached("unlock")
-        errors = [e for group in _share(sources, errors) for e in group]
+        errors = [e for group in sources.gather(errors) for e in group]
     if errors:
         raise CheckpointError(
             f"saving a checkpoint into {directory} failed; the unfinished version was removed "
@@ -316,7 +306,7 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
     # A run saves one checkpoint, into process 0's folder, even where each process passed
     # its own (as Accelerate's test scripts do, with one TemporaryDirectory per process):
     # a process whose folder holds none loads process 0's, which holds this process's files.
-    found = _share(sources, (missing, str(Path(input_dir).absolute())))
+    found = sources.gather((missing, str(Path(input_dir).absolute())))
     first = Path(found[0][1])
     if missing is not None and found[0][0] is None and first != Path(input_dir).absolute():
         directory = commit.resolve_checkpoint(first)
@@ -324,7 +314,7 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
             missing = None
             _warn_other_folder("load_state", Path(input_dir).absolute(), first)
     # Every rank must find one (each may pass its own path): else all raise, none waits.
-    absent = [(r, m) for r, m in enumerate(_share(sources, missing)) if m is not None]
+    absent = [(r, m) for r, m in enumerate(sources.gather(missing)) if m is not None]
     if missing is not None or directory is None:
         raise FileNotFoundError(missing)
     if absent:
@@ -346,7 +336,7 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
         states, records = _read(sources, directory, entries)
     except CheckpointError as exc:
         error = exc
-    others = [e for e in _share(sources, None if error is None else str(error)) if e is not None]
+    others = [e for e in sources.gather(None if error is None else str(error)) if e is not None]
     if error is not None:
         raise error
     if others:
@@ -370,7 +360,7 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
             continue
         entry.target.load_state_dict(state)
         del state  # one file's tensors at a time
-    others = [e for e in _share(sources, None if error is None else str(error)) if e is not None]
+    others = [e for e in sources.gather(None if error is None else str(error)) if e is not None]
     if error is not None:
         raise error
     if others:

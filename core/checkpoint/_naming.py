@@ -34,10 +34,9 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
-import torch
 
 from kwplug.checkpoint import _accelerate_layout as accelerate_layout
 from kwplug.checkpoint import _api as api
@@ -107,15 +106,6 @@ def _only_kwplug_files(folder: Path) -> bool:
 def is_kwplug_checkpoint(folder: Path) -> bool:
     """True when ``folder`` holds a complete kwplug checkpoint and only kwplug's files."""
     return commit.resolve_checkpoint(folder) is not None and _only_kwplug_files(folder)
-
-
-def _share(sources: CheckpointSources, value: Any) -> Any:
-    # The main process decides; every rank acts on its decision (and raises together).
-    if sources.num_processes <= 1 or sources.solo:
-        return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _skipped(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) -> Path:
@@ -217,7 +207,7 @@ def save(sources: CheckpointSources, output_dir: str | os.PathLike[str] | None) 
         )
     target = checkpoints / checkpoint_name(config.iteration)
     refusal = _refusal(target, config.iteration) if sources.is_main_process else None
-    refusal = _share(sources, refusal)
+    refusal = sources.from_main(refusal)
     if refusal is not None:
         raise ValueError(refusal)
     # Tagged once the save holds the folder's lock, before its commit, so that a save killed
@@ -367,7 +357,7 @@ def load(sources: CheckpointSources, input_dir: str | os.PathLike[str] | None) -
             )
         checkpoints = root(sources)
         found = _newest(sources, checkpoints) if sources.is_main_process else (None, None)
-        newest, refusal = _share(sources, found)
+        newest, refusal = sources.from_main(found)
         if refusal is not None:
             raise ValueError(refusal)
         if newest is None:
@@ -382,7 +372,7 @@ def load(sources: CheckpointSources, input_dir: str | os.PathLike[str] | None) -
         folder = Path(input_dir).absolute()
         match = _NAME.fullmatch(folder.name)
         ours = match is not None and folder.parent == root(sources)
-        owner = _share(sources, _continued(folder) if ours and sources.is_main_process else None)
+        owner = sources.from_main(_continued(folder) if ours and sources.is_main_process else None)
         if match and ours:
             config.iteration = int(match.group(1)) + 1
             if owner is not None:  # a resumed run is the run that saved it

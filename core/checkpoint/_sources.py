@@ -153,6 +153,30 @@ class CheckpointSources:
         """The prepared models, unwrapped (what their ``state_dict`` is taken of)."""
         return [self.unwrap(model) for model in self.models]
 
+    @property
+    def collective(self) -> bool:
+        """True when this call's ranks meet in collectives (several processes, and not a
+        save by the main process alone, whose peers are not in ``save_state``)."""
+        return self.num_processes > 1 and not self.solo
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (``all_gather_object``; ``[value]`` without
+        a collective), so that all ranks act, and raise, together instead of hanging apart."""
+        if not self.collective:
+            return [value]
+        values: list[Any] = [None] * self.num_processes
+        torch.distributed.all_gather_object(values, value)
+        return values
+
+    def from_main(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (``broadcast_object_list``): the main process
+        decides, every rank acts on its decision."""
+        if not self.collective:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
 
 def register(registry: list[Any], *objects: Any) -> None:
     """Append ``objects`` to ``registry`` (an Accelerator's registered objects), each checked.
