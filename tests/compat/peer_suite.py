@@ -1,10 +1,13 @@
 """Accelerate's own pytest files on kwplug (issue 28, item 3): a developer tool, not a test.
 
-Accelerate's ``tests/test_*.py`` are not in the wheel, so this reads them from a git mirror of
-huggingface/accelerate (``--mirror``; the ``fetch`` tool leaves one under ``/work/.mirror``) at
-``--ref`` (default: the tag of the installed release, ``v<accelerate.__version__>``, else
-``HEAD``, said in the output). Each file runs twice with pytest on the CPU, in a fresh
-temporary copy of the mirror's ``tests/`` folder:
+Accelerate's ``tests/test_*.py`` are not in the wheel, but they are in its source
+distribution on PyPI, at exactly the installed release: ``--sdist PATH`` reads them from that
+archive (``pip download accelerate==<installed version> --no-binary :all: --no-deps -d DIR``
+writes ``DIR/accelerate-<version>.tar.gz``; a package registry is all it needs). Otherwise they
+come from a git mirror of huggingface/accelerate (``--mirror``; the ``fetch`` tool leaves one
+under ``/work/.mirror``) at ``--ref`` (default: the tag of the installed release,
+``v<accelerate.__version__>``, else ``HEAD``, said in the output). Each file runs twice with
+pytest on the CPU, in a fresh temporary copy of that ``tests/`` folder:
 
 * **accelerate**: as written;
 * **kwplug**: with only its import statements renamed (:func:`rename_imports`).
@@ -14,9 +17,12 @@ Accelerate's in both runs: it is the test kit, not the library under test. A tes
 *counted* when it passes under Accelerate; the table gives, per file, how many of the counted
 tests pass on kwplug, and the failures' first lines.
 
-Needs network-free inputs only (the mirror), plus ``parameterized``, which the files import.
-Run from the repository root::
+Needs network-free inputs only (the archive or the mirror), plus ``parameterized``, which the
+files import. Run from the repository root::
 
+    .venv/bin/python -m pip download "accelerate==$(.venv/bin/python -c 'import accelerate; \
+        print(accelerate.__version__)')" --no-binary :all: --no-deps -d /tmp/sdist
+    .venv/bin/python tests/compat/peer_suite.py --sdist /tmp/sdist/accelerate-*.tar.gz
     .venv/bin/python tests/compat/peer_suite.py --mirror /work/.mirror/huggingface+accelerate/repo
 """
 
@@ -155,6 +161,24 @@ def extract(mirror: Path, ref: str, into: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
 
 
+def extract_sdist(archive: Path, into: Path) -> None:
+    """The ``tests/`` folder of Accelerate's source distribution ``archive``, written under
+    ``into`` (members outside ``<name>/tests/`` are skipped; tarfile's ``data`` filter refuses
+    links and paths that leave ``into``)."""
+    import tarfile
+
+    with tarfile.open(archive) as sdist:
+        members = []
+        for member in sdist.getmembers():
+            parts = member.name.split("/")
+            if len(parts) > 2 and parts[1] == "tests":
+                member.name = "/".join(parts[1:])
+                members.append(member)
+        if not members:
+            raise SystemExit(f"{archive}: no tests/ folder in this source distribution")
+        sdist.extractall(into, members=members, filter="data")
+
+
 def run_pytest(root: Path, files: Sequence[str], timeout: int) -> dict[str, dict[str, str]]:
     """``{file: {test id: outcome or first error line}}`` of one pytest run in ``root``."""
     report = root / "report.xml"
@@ -189,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--mirror", type=Path, default=Path("/work/.mirror/huggingface+accelerate/repo")
     )
     parser.add_argument("--ref", default=None)
+    parser.add_argument(
+        "--sdist", type=Path, default=None, help="Accelerate's source archive (instead of --mirror)"
+    )
     parser.add_argument("--files", nargs="*", default=list(FILES))
     parser.add_argument("--timeout", type=int, default=120, help="seconds per test")
     parser.add_argument("--json", type=Path, default=None, help="write the outcomes here")
@@ -200,11 +227,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="list kwplug failures")
     args = parser.parse_args(argv)
-    ref = args.ref or default_ref(args.mirror)
-    commit = subprocess.run(
-        ["git", "-C", str(args.mirror), "rev-parse", "--short", ref],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+    if args.sdist:
+        ref = commit = args.sdist.name
+    else:
+        ref = args.ref or default_ref(args.mirror)
+        commit = subprocess.run(
+            ["git", "-C", str(args.mirror), "rev-parse", "--short", ref],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
     print(f"accelerate tests at {ref} ({commit}); installed accelerate "
           f"{importlib.metadata.version('accelerate')}")  # fmt: skip
     outcomes: dict[str, dict[str, dict[str, str]]] = {}
@@ -216,7 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             root = Path(tmp) / library
             root.mkdir()
-            extract(args.mirror, ref, root)
+            if args.sdist:
+                extract_sdist(args.sdist, root)
+            else:
+                extract(args.mirror, ref, root)
             for name in args.files:
                 path = root / "tests" / name
                 source, dropped = drop_missing(path.read_text())
