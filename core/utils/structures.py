@@ -67,8 +67,8 @@ def recursively_apply(
             of keeping it unchanged.
 
     Raises:
-        TypeError: ``error_on_other_type`` and a leaf of another type (the message names its
-            type and ``func``).
+        TypeError: ``error_on_other_type`` and a leaf of another type (Accelerate's message,
+            naming its type and ``func``).
     """
     if isinstance(data, (tuple, list)):
         return honor_type(
@@ -103,9 +103,10 @@ def recursively_apply(
         return func(data, *args, **kwargs)
     if error_on_other_type:
         name = getattr(func, "__name__", repr(func))
-        raise TypeError(
-            f"unsupported type {type(data).__name__} passed to {name}: only nested "
-            f"lists/tuples/dicts of objects accepted by {test_type.__name__} are"
+        raise TypeError(  # Accelerate's message, word for word (its tests compare it)
+            f"Unsupported types ({type(data)}) passed to `{name}`. Only nested "
+            f"list/tuple/dicts of objects that are valid for `{test_type.__name__}` should be "
+            "passed."
         )
     return data
 

@@ -133,3 +133,14 @@ def test_has_offloaded_params_sees_only_an_offloading_align_devices_hook() -> No
     remove_hook_from_module(model)
     attach_align_device_hook(model, offload=True)
     assert ku.has_offloaded_params(model) is accelerate_utils.has_offloaded_params(model) is True
+
+
+def test_recursively_apply_refuses_with_accelerates_message() -> None:
+    with pytest.raises(TypeError) as ours:
+        ku.recursively_apply(torch.tensor, (torch.tensor(1), 1), error_on_other_type=True)
+    with pytest.raises(TypeError) as theirs:
+        accelerate_utils.recursively_apply(
+            torch.tensor, (torch.tensor(1), 1), error_on_other_type=True
+        )
+    assert str(ours.value) == str(theirs.value)
+    assert "Unsupported types (<class 'int'>) passed to `tensor`" in str(ours.value)
