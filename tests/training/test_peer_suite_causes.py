@@ -317,3 +317,29 @@ def test_split_between_processes_a_real_datasets_dataset() -> None:
 
     data = datasets.Dataset.from_dict({"x": list(range(5))})
     assert split_between_processes(data, 2, 1, True)["x"] == [3, 4, 4]
+
+
+def test_prepared_objects_are_listed_and_flagged_as_accelerate_does() -> None:
+    # Accelerate's tests/test_accelerator.py reads ``accelerator._models`` (and the other
+    # lists) and the ``_is_accelerate_prepared`` flag; preparing a prepared model again
+    # returns it without a second entry.
+    accelerator = kwplug.Accelerator()
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    prepared = accelerator.prepare(model, optimizer, scheduler, loader, [1, 2])
+    lists = (
+        accelerator._models,
+        accelerator._optimizers,
+        accelerator._schedulers,
+        accelerator._dataloaders,
+    )
+    for obj, listed in zip(prepared, lists, strict=False):
+        assert any(obj is item for item in listed)
+        assert getattr(obj, "_is_accelerate_prepared", False) is True
+    assert getattr(prepared[4], "_is_accelerate_prepared", False) is False
+    assert accelerator.prepare_model(prepared[0]) is prepared[0]
+    assert len(accelerator._models) == 1
+    accelerator.free_memory()
+    assert [len(listed) for listed in lists] == [0, 0, 0, 0]
