@@ -85,8 +85,10 @@ class _Trackers:
             needs_dir = getattr(factories.get(str(name)), "requires_logging_directory", False)
             if isinstance(name, str) and needs_dir and logging_dir is None:
                 raise ValueError(
-                    f"log_with: tracker {name!r} writes files and needs a logging directory: "
-                    "pass project_dir= or project_config=ProjectConfiguration(logging_dir=...)"
+                    # Accelerate's first words (code matches them), then kwplug's remedy.
+                    f"Logging with `{name}` requires a `logging_dir`: log_with: tracker "
+                    f"{name!r} writes files and needs a logging directory: pass project_dir= "
+                    "or project_config=ProjectConfiguration(logging_dir=...)"
                 )
         return cls(list(dict.fromkeys(selected)), factories, logging_dir, main)
 

@@ -107,7 +107,7 @@ def test_registered_tracker_is_built_by_name(registry: dict[str, Any]) -> None:
 
 def test_registered_tracker_needing_a_directory(registry: dict[str, Any], tmp_path: Path) -> None:
     tracking.register_tracker_class(DirRecorder)
-    with pytest.raises(ValueError, match="logging directory"):
+    with pytest.raises(ValueError, match="Logging with `dir_recorder` requires a `logging_dir`"):
         kwplug.Accelerator(log_with="dir_recorder")
     accelerator = kwplug.Accelerator(log_with="dir_recorder", project_dir=str(tmp_path))
     accelerator.init_trackers("dir_project")
