@@ -343,3 +343,16 @@ def test_prepared_objects_are_listed_and_flagged_as_accelerate_does() -> None:
     assert len(accelerator._models) == 1
     accelerator.free_memory()
     assert [len(listed) for listed in lists] == [0, 0, 0, 0]
+
+
+def test_loaders_answer_accelerates_iteration_and_base_dataloader() -> None:
+    from kwplug.data_loader import DataLoaderShard, skip_first_batches
+
+    loader = DataLoaderShard(list(range(16)), batch_size=4)
+    assert loader.base_dataloader is loader
+    assert isinstance(loader.base_dataloader, torch.utils.data.DataLoader)
+    loader.set_epoch(1)
+    assert loader.iteration == 1
+    assert skip_first_batches(loader, num_batches=2).iteration == 1
+    assert [b.tolist() for b in loader] == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    assert loader.iteration == 2  # advanced by the completed iteration, as Accelerate's
