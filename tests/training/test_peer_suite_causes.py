@@ -356,3 +356,21 @@ def test_loaders_answer_accelerates_iteration_and_base_dataloader() -> None:
     assert skip_first_batches(loader, num_batches=2).iteration == 1
     assert [b.tolist() for b in loader] == [[8, 9, 10, 11], [12, 13, 14, 15]]
     assert loader.iteration == 2  # advanced by the completed iteration, as Accelerate's
+
+
+def test_partial_state_shared_state_is_empty_until_an_accelerator_is_built() -> None:
+    # Accelerate's test_tracking.py: building a tracker must not set the state up; building
+    # the Accelerator does (``PartialState._shared_state`` read before and after).
+    from kwplug.plugins.trackers import JSONLinesTracker
+    from kwplug.state import PartialState
+
+    PartialState._reset_state()
+    assert PartialState._shared_state == {}
+    tracker = JSONLinesTracker("run", ".")
+    assert PartialState._shared_state == {}
+    accelerator = kwplug.Accelerator(log_with=tracker)
+    shared = PartialState._shared_state
+    assert shared["device"] == accelerator.device
+    assert shared["num_processes"] == 1 and shared["_cpu"] is True
+    PartialState._reset_state()
+    assert PartialState._shared_state == {}
