@@ -7,6 +7,17 @@ from __future__ import annotations
 from typing import Any
 
 
+class _TheLoader:
+    """``base_dataloader``: the loader itself, on an instance only (Accelerate's is an
+    instance attribute, so the class has none: ``DataLoaderShard.base_dataloader`` raises
+    ``AttributeError``)."""
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            raise AttributeError("base_dataloader is an attribute of a loader, not of its class")
+        return instance
+
+
 class AccelerateLoaderNames:
     """Mixed into :class:`kwplug._data._loader.PreparedDataLoader`."""
 
@@ -18,8 +29,6 @@ class AccelerateLoaderNames:
         or next iteration, advanced when one completes, as Accelerate's counter)."""
         return self.epoch
 
-    @property
-    def base_dataloader(self) -> Any:
-        """Accelerate's ``DataLoaderAdapter.base_dataloader``: the ``DataLoader`` batches come
-        from, which for a kwplug loader is the loader itself."""
-        return self
+    #: Accelerate's ``DataLoaderAdapter.base_dataloader``: the ``DataLoader`` batches come
+    #: from, which for a kwplug loader is the loader itself.
+    base_dataloader = _TheLoader()

@@ -350,6 +350,8 @@ def test_loaders_answer_accelerates_iteration_and_base_dataloader() -> None:
 
     loader = DataLoaderShard(list(range(16)), batch_size=4)
     assert loader.base_dataloader is loader
+    with pytest.raises(AttributeError):
+        _ = DataLoaderShard.base_dataloader  # an attribute of loaders, as Accelerate's
     assert isinstance(loader.base_dataloader, torch.utils.data.DataLoader)
     loader.set_epoch(1)
     assert loader.iteration == 1
