@@ -376,3 +376,14 @@ def test_partial_state_shared_state_is_empty_until_an_accelerator_is_built() -> 
     assert shared["num_processes"] == 1 and shared["_cpu"] is True
     PartialState._reset_state()
     assert PartialState._shared_state == {}
+
+
+def test_accelerate_torch_device_names_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Accelerate's test_accelerator.py::test_env_var_device: ACCELERATE_TORCH_DEVICE is used
+    # as it is; a malformed value is a ValueError naming the variable.
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu:64")
+    accelerator = kwplug.Accelerator()
+    assert str(accelerator.device) == str(accelerator.state.device) == "cpu:64"
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "not-a-device")
+    with pytest.raises(ValueError, match="ACCELERATE_TORCH_DEVICE"):
+        kwplug.Accelerator()
