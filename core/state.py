@@ -46,6 +46,28 @@ from kwplug.utils.dataclasses import DistributedType, default_distributed_type
 __all__ = ["AcceleratorState", "GradientState", "PartialState"]
 
 
+class _SharedStateView:
+    """Accelerate's ``PartialState._shared_state`` (its singleton's attributes), which code
+    written for Accelerate reads to tell whether the distributed state was set up yet: ``{}``
+    while no Accelerator is live (none built, or forgotten by ``_reset_state()``), else a new
+    dict describing the live one (``_cpu``, ``device``, ``num_processes``, ``process_index``,
+    ``local_process_index``, ``distributed_type``). Read-only: kwplug keeps no singleton, so
+    writing to the dict changes nothing."""
+
+    def __get__(self, instance: Any, owner: Any) -> dict[str, Any]:
+        accelerator = live_accelerator()
+        if accelerator is None:
+            return {}
+        return {
+            "_cpu": accelerator.device.type == "cpu",
+            "device": accelerator.device,
+            "num_processes": accelerator.num_processes,
+            "process_index": accelerator.process_index,
+            "local_process_index": accelerator.local_process_index,
+            "distributed_type": accelerator.distributed_type,
+        }
+
+
 class PartialState(Ranks):
     """The process's place in the run, without an ``Accelerator`` (Accelerate's
     ``PartialState``).
@@ -71,6 +93,8 @@ class PartialState(Ranks):
         ValueError: a torchrun variable is malformed.
         RuntimeError: ``WORLD_SIZE > 1``, no process group exists and no plugin created one.
     """
+
+    _shared_state = _SharedStateView()
 
     def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
         if not isinstance(cpu, bool):

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from kwplug._additive import merge
+from kwplug._lazy import exporter
 from kwplug.errors import TrackerConfigWarning, user_stacklevel
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "merge_trackers",
     "package_installed",
     "plain_value",
+    "register_tracker_class",
 ]
 
 #: What a flat configuration value may be (TensorBoard's ``add_hparams`` accepts these).
@@ -278,3 +280,96 @@ def merge_trackers(
         kind="tracker factory",
         remedy="block one of them (KWPLUG_BLOCK_PLUGINS)",
     )
+
+
+#: Accelerate's tracker class names -> kwplug's module defining the class: the built-in
+#: tracker plugins', or a placeholder raising ``NotImplementedError`` for those kwplug lacks.
+#: Imported on first use (PEP 562), so importing this module imports no plugin.
+_TRACKER_CLASSES: dict[str, str] = {
+    "AimTracker": "kwplug.plugins.aim_tracker",
+    "CometMLTracker": "kwplug.plugins.comet_ml_tracker",
+    "MLflowTracker": "kwplug.plugins.mlflow_tracker",
+    "TensorBoardTracker": "kwplug.plugins.trackers",
+    "WandBTracker": "kwplug.plugins.wandb_tracker",
+    "ClearMLTracker": "kwplug._tracker_placeholders",
+    "DVCLiveTracker": "kwplug._tracker_placeholders",
+    "SwanLabTracker": "kwplug._tracker_placeholders",
+    "TrackioTracker": "kwplug._tracker_placeholders",
+}
+#: The ``LOGGER_TYPE_TO_CLASS`` entries of Accelerate's built-ins kwplug has as plugins.
+_BUILTIN_LOGGERS = {
+    "aim": "AimTracker",
+    "comet_ml": "CometMLTracker",
+    "mlflow": "MLflowTracker",
+    "tensorboard": "TensorBoardTracker",
+    "wandb": "WandBTracker",
+}
+_class_getattr, _ = exporter(globals(), _TRACKER_CLASSES)
+_BUILTIN_CLASSES: dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """Accelerate's tracker class names and ``LOGGER_TYPE_TO_CLASS``, built on first use."""
+    if name == "LOGGER_TYPE_TO_CLASS":
+        return _registry()
+    return _class_getattr(name)
+
+
+def _registry() -> dict[str, type[GeneralTracker]]:
+    """``LOGGER_TYPE_TO_CLASS`` (Accelerate's name): tracker name -> class, the built-in
+    trackers' and those :func:`register_tracker_class` added; created on first use."""
+    registry: dict[str, type[GeneralTracker]] | None = globals().get("LOGGER_TYPE_TO_CLASS")
+    if registry is None:
+        registry = {name: _class_getattr(cls) for name, cls in _BUILTIN_LOGGERS.items()}
+        _BUILTIN_CLASSES.update(registry)
+        globals()["LOGGER_TYPE_TO_CLASS"] = registry
+    return registry
+
+
+def _registered() -> dict[str, type[GeneralTracker]]:
+    """The ``LOGGER_TYPE_TO_CLASS`` entries that are not the built-in plugins' own classes
+    (those come through the ``trackers`` hook, where a blocked plugin stays out): what
+    ``Accelerator(log_with=name)`` adds to, and prefers over, the plugins' trackers."""
+    registry = globals().get("LOGGER_TYPE_TO_CLASS")
+    if registry is None:
+        return {}
+    return {n: c for n, c in registry.items() if _BUILTIN_CLASSES.get(n) is not c}
+
+
+def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
+    """Make ``Accelerator(log_with=tracker_class.name)`` build ``tracker_class`` (Accelerate's):
+    it is added to ``LOGGER_TYPE_TO_CLASS`` and, for later Accelerators, wins over a plugin's
+    tracker of the same name. It is called as ``tracker_class(project_name, **init_kwargs)``,
+    with the logging directory second when ``requires_logging_directory`` is true. A tracker
+    shipped as a package is better a plugin (the ``trackers`` hook).
+
+    Args:
+        tracker_class: a :class:`GeneralTracker` subclass with a non-empty ``name`` and a
+            ``requires_logging_directory`` class attribute.
+
+    Raises:
+        ValueError: ``tracker_class`` is not such a class (as Accelerate's).
+
+    Warns:
+        UserWarning: a tracker of that name is already registered (it is replaced).
+    """
+    if not (isinstance(tracker_class, type) and issubclass(tracker_class, GeneralTracker)):
+        raise ValueError(
+            f"`tracker_class` must be a subclass of `GeneralTracker`, but got {tracker_class}."
+        )
+    if not getattr(tracker_class, "name", None):
+        raise ValueError("The tracker class to register must define a non-empty `name` attribute.")
+    if not hasattr(tracker_class, "requires_logging_directory"):
+        raise ValueError(
+            "The tracker class to register must define a `requires_logging_directory` class "
+            "attribute: `True` if the tracker needs a logging directory, `False` otherwise."
+        )
+    registry = _registry()
+    if tracker_class.name in registry:
+        warnings.warn(
+            f"A tracker with the name '{tracker_class.name}' is already registered and will be "
+            f"overwritten by {tracker_class}.",
+            UserWarning,
+            stacklevel=2,
+        )
+    registry[tracker_class.name] = tracker_class

@@ -10,6 +10,7 @@ import attrs
 import torch
 from torch.utils.data import DataLoader
 
+from kwplug._data._names import AccelerateLoaderNames
 from kwplug._data._shards import BatchSamplerShard
 from kwplug.utils.structures import send_to_device
 
@@ -109,7 +110,7 @@ class Sharding:
     global_rng: bool = False
 
 
-class PreparedDataLoader(DataLoader[Any]):
+class PreparedDataLoader(AccelerateLoaderNames, DataLoader[Any]):
     """A ``DataLoader`` that yields this process's batches, on its device.
 
     Built by :func:`kwplug.data.prepare_dataloader`. Each complete iteration is one epoch;

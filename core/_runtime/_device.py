@@ -4,6 +4,7 @@ choice (:func:`kwplug._environment.select_device`), for an ``Accelerator`` and f
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import attrs
@@ -56,7 +57,7 @@ def choose_device(plugins: KwplugPluginManager, cpu: bool, info: ProcessInfo) ->
         cpu=forced, local_rank=info.local_rank, world_size=info.world_size
     )
     if answer is None:
-        device = select_device(forced, info.local_rank)
+        device = _env_device() or select_device(forced, info.local_rank)
         if device.type == "cpu" and info.world_size > 1:
             # Accelerate's MULTI_CPU device: torch.device("cpu", local_rank % 1), printed
             # "cpu:0" on every rank; one process keeps the plain "cpu", as Accelerate's NO.
@@ -79,3 +80,22 @@ def choose_device(plugins: KwplugPluginManager, cpu: bool, info: ProcessInfo) ->
             f"select_device of {plugins.describe(name)}: DeviceChoice.distributed_type must be "
             f"one of {accepted}, got {declared!r}"
         ) from None
+
+
+def _env_device() -> torch.device | None:
+    """Accelerate's ``ACCELERATE_TORCH_DEVICE`` (e.g. ``"cuda:1"``): the device to use as it
+    is, ahead of the built-in choice (a plugin's ``select_device`` answer still wins);
+    ``None`` when unset or empty.
+
+    Raises:
+        ValueError: the value is not a torch device string.
+    """
+    value = os.environ.get("ACCELERATE_TORCH_DEVICE")
+    if not value:
+        return None
+    try:
+        return torch.device(value)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"ACCELERATE_TORCH_DEVICE must be a torch device such as 'cuda:0', got {value!r}"
+        ) from exc

@@ -15,6 +15,7 @@ from kwplug.accelerator._agreement import LiveAgreement
 from kwplug.accelerator._prepare import _Prepared
 
 if TYPE_CHECKING:
+    from kwplug.optimizer import AcceleratedOptimizer
     from kwplug.scheduler import AcceleratedScheduler
 
 
@@ -25,6 +26,24 @@ class _PrepareAPI:
     _prepared: _Prepared
     _agreement: LiveAgreement
     device_placement: bool
+
+    # Accelerate's private lists of what this Accelerator prepared, which code written for it
+    # reads (``len(accelerator._models)``); the lists themselves, emptied by ``free_memory``.
+    @property
+    def _models(self) -> list[torch.nn.Module]:
+        return self._prepared.models
+
+    @property
+    def _optimizers(self) -> list[AcceleratedOptimizer]:
+        return self._prepared.optimizers
+
+    @property
+    def _schedulers(self) -> list[AcceleratedScheduler]:
+        return self._prepared.schedulers
+
+    @property
+    def _dataloaders(self) -> list[DataLoader[Any]]:
+        return self._prepared.dataloaders
 
     def _agree_on_models(self, count: int) -> None:
         # Preparing a model is a collective (DDP's broadcast): the ranks' settings, as they

@@ -3,7 +3,7 @@ prepared (which checkpoints, gradient clipping and ``end_training`` read)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -148,6 +148,8 @@ class _Prepared:
             PluginHookError: several processes run and no plugin wrapped a model that has
                 trainable parameters (its gradients would never be synchronised).
         """
+        if any(model is m for m in self.models):  # prepared here already: not wrapped twice
+            return model
         setup = self.setup
         before = dict(model.named_parameters())
         if device_placement:
@@ -156,7 +158,7 @@ class _Prepared:
             # Patched before wrapping, as Accelerate: a DDP wrapper calls the patched forward.
             apply_mixed_precision(model, setup.autocast_factory)
         if evaluation_mode:
-            model = self._compiled(model)
+            model = _mark(self._compiled(model))
             self.models.append(model)
             return model
         wrapped = setup.plugins.first.wrap_model(
@@ -180,7 +182,7 @@ class _Prepared:
         if self.remap.learn(before, dict(unwrap_model(result).named_parameters())):
             for optimizer in self.optimizers:
                 self.remap.apply(optimizer)
-        result = self._compiled(result)
+        result = _mark(self._compiled(result))
         self.models.append(result)
         return result
 
@@ -221,7 +223,7 @@ class _Prepared:
         )
         if scaler is not None:
             self.scaled_optimizers.append(wrapped)
-        self.optimizers.append(wrapped)
+        self.optimizers.append(_mark(wrapped))
         return wrapped
 
     def scheduler(self, scheduler: Any) -> AcceleratedScheduler:
@@ -243,7 +245,7 @@ class _Prepared:
             step_with_optimizer=options.step_scheduler_with_optimizer if options else True,
             split_batches=self.dataloader_config.split_batches,
         )
-        self.schedulers.append(wrapped)
+        self.schedulers.append(_mark(wrapped))
         self.custom_objects.append(wrapped)
         return wrapped
 
@@ -263,6 +265,7 @@ class _Prepared:
             tracker=self.active_loaders,
         )
         prepared.device_placement = device_placement
+        _mark(prepared)
         if prepared not in self.dataloaders:
             self.dataloaders.append(prepared)
         return prepared
@@ -277,6 +280,16 @@ class _Prepared:
         self.custom_objects.clear()
         if self.scaler_updates is not None:
             self.scaler_updates = ScalerUpdates(self.scaler_updates.backend)
+
+
+_T = TypeVar("_T")
+
+
+def _mark(obj: _T) -> _T:
+    """``obj`` with Accelerate's flag of a prepared object, ``_is_accelerate_prepared = True``
+    (code written for Accelerate reads it to tell prepared objects apart)."""
+    setattr(obj, "_is_accelerate_prepared", True)  # noqa: B010  (Accelerate's private name)
+    return obj
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -11,7 +11,7 @@ import attrs
 
 from kwplug._plugins import KwplugPluginManager
 from kwplug.accelerator._tracker_wait import bounded
-from kwplug.tracking import GeneralTracker, TrackerFactory, merge_trackers
+from kwplug.tracking import GeneralTracker, TrackerFactory, _registered, merge_trackers
 from kwplug.validators import shown
 
 #: What ``log_with`` accepts: ``None``, a tracker name, ``"all"``, a :class:`GeneralTracker`,
@@ -63,6 +63,7 @@ class _Trackers:
         if any(isinstance(item, str) for item in items):
             answers = plugins.each.trackers()
             factories = merge_trackers([(plugins.describe(n), a) for n, a in answers])
+            factories.update(_registered())  # register_tracker_class's, as Accelerate's
         selected: list[str | GeneralTracker] = []
         for item in items:
             if isinstance(item, GeneralTracker):
@@ -84,8 +85,10 @@ class _Trackers:
             needs_dir = getattr(factories.get(str(name)), "requires_logging_directory", False)
             if isinstance(name, str) and needs_dir and logging_dir is None:
                 raise ValueError(
-                    f"log_with: tracker {name!r} writes files and needs a logging directory: "
-                    "pass project_dir= or project_config=ProjectConfiguration(logging_dir=...)"
+                    # Accelerate's first words (code matches them), then kwplug's remedy.
+                    f"Logging with `{name}` requires a `logging_dir`: log_with: tracker "
+                    f"{name!r} writes files and needs a logging directory: pass project_dir= "
+                    "or project_config=ProjectConfiguration(logging_dir=...)"
                 )
         return cls(list(dict.fromkeys(selected)), factories, logging_dir, main)
 

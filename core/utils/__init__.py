@@ -69,6 +69,9 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.devices import get_torch_accelerator_backend as get_torch_accelerator_backend
     from kwplug.utils.devices import normalize_device as normalize_device
     from kwplug.utils.environment import clear_environment as clear_environment
+    from kwplug.utils.environment import (
+        convert_dict_to_env_variables as convert_dict_to_env_variables,
+    )
     from kwplug.utils.environment import parse_flag_from_env as parse_flag_from_env
     from kwplug.utils.environment import patch_environment as patch_environment
     from kwplug.utils.environment import (
@@ -121,6 +124,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.memory import find_executable_batch_size as find_executable_batch_size
     from kwplug.utils.memory import release_memory as release_memory
     from kwplug.utils.memory import should_reduce_batch_size as should_reduce_batch_size
+    from kwplug.utils.modeling import has_offloaded_params as has_offloaded_params
     from kwplug.utils.operations import CannotPadNestedTensorWarning as CannotPadNestedTensorWarning
     from kwplug.utils.operations import (
         DistributedOperationException as DistributedOperationException,
@@ -132,6 +136,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.operations import gather_object as gather_object
     from kwplug.utils.operations import pad_across_processes as pad_across_processes
     from kwplug.utils.operations import reduce as reduce
+    from kwplug.utils.other import check_os_kernel as check_os_kernel
     from kwplug.utils.other import extract_model_from_parallel as extract_model_from_parallel
     from kwplug.utils.other import save as save
     from kwplug.utils.other import wait_for_everyone as wait_for_everyone
@@ -140,6 +145,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.random import synchronize_rng_state as synchronize_rng_state
     from kwplug.utils.random import synchronize_rng_states as synchronize_rng_states
     from kwplug.utils.structures import concatenate as concatenate
+    from kwplug.utils.structures import convert_outputs_to_fp32 as convert_outputs_to_fp32
     from kwplug.utils.structures import convert_to_fp32 as convert_to_fp32
     from kwplug.utils.structures import find_batch_size as find_batch_size
     from kwplug.utils.structures import find_device as find_device
@@ -149,6 +155,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.structures import is_namedtuple as is_namedtuple
     from kwplug.utils.structures import is_torch_tensor as is_torch_tensor
     from kwplug.utils.structures import listify as listify
+    from kwplug.utils.structures import pad_input_tensors as pad_input_tensors
     from kwplug.utils.structures import recursively_apply as recursively_apply
     from kwplug.utils.structures import send_to_device as send_to_device
     from kwplug.utils.structures import slice_tensors as slice_tensors
@@ -169,6 +176,7 @@ _EXPORTS: dict[str, str] = {
     "ProjectConfiguration": "kwplug.utils.dataclasses",
     "KwargsHandler": "kwplug.handler",
     "clear_environment": "kwplug.utils.environment",
+    "convert_dict_to_env_variables": "kwplug.utils.environment",
     "parse_flag_from_env": "kwplug.utils.environment",
     "patch_environment": "kwplug.utils.environment",
     "purge_accelerate_environment": "kwplug.utils.environment",
@@ -242,6 +250,7 @@ _EXPORTS: dict[str, str] = {
     "get_distributed_backend": "kwplug.utils.devices",
     "get_torch_accelerator_backend": "kwplug.utils.devices",
     "normalize_device": "kwplug.utils.devices",
+    "check_os_kernel": "kwplug.utils.other",
     "extract_model_from_parallel": "kwplug.utils.other",
     "save": "kwplug.utils.other",
     "wait_for_everyone": "kwplug.utils.other",
@@ -249,6 +258,9 @@ _EXPORTS: dict[str, str] = {
     "synchronize_rng_state": "kwplug.utils.random",
     "synchronize_rng_states": "kwplug.utils.random",
     "concatenate": "kwplug.utils.structures",
+    "convert_outputs_to_fp32": "kwplug.utils.structures",
+    "pad_input_tensors": "kwplug.utils.structures",
+    "has_offloaded_params": "kwplug.utils.modeling",
     "convert_to_fp32": "kwplug.utils.structures",
     "find_batch_size": "kwplug.utils.structures",
     "find_device": "kwplug.utils.structures",

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 __all__ = [
     "clear_environment",
+    "convert_dict_to_env_variables",
     "parse_flag_from_env",
     "patch_environment",
     "purge_accelerate_environment",
@@ -17,6 +19,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+_FORBIDDEN = (";", "\n", "<", ">", " ")
 
 _TRUE = frozenset({"y", "yes", "t", "true", "on", "1"})
 _FALSE = frozenset({"n", "no", "f", "false", "off", "0"})
@@ -152,3 +157,24 @@ def purge_accelerate_environment(func_or_cls: T) -> T:
 
     decorated.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment, arg-type]
     return func_or_cls
+
+
+def convert_dict_to_env_variables(current_env: dict[str, str]) -> list[str]:
+    """``["KEY=value\\n", ...]`` for the items of ``current_env`` that are safe in an
+    environment file (Accelerate's): an item whose key or value is empty or contains ``;``,
+    a newline, ``<``, ``>`` or a space is left out, with a warning on this module's logger
+    (``kwplug.utils.environment``; Accelerate's is ``accelerate.utils.environment``).
+
+    Args:
+        current_env: variable names to values (strings).
+    """
+    valid = []
+    for key, value in current_env.items():
+        text = key + value
+        if key and value and not any(char in text for char in _FORBIDDEN):
+            valid.append(f"{key}={value}\n")
+        else:
+            logger.warning(
+                "Skipping %s=%s as it contains forbidden characters or missing values.", key, value
+            )
+    return valid

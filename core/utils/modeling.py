@@ -13,7 +13,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["get_state_dict_from_offload", "infer_auto_device_map", "load_checkpoint_in_model"]
+__all__ = [
+    "get_state_dict_from_offload",
+    "has_offloaded_params",
+    "infer_auto_device_map",
+    "load_checkpoint_in_model",
+]
 
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -153,3 +158,17 @@ def get_state_dict_from_offload(
         NotImplementedError: always, naming the migration row.
     """
     raise _not_supported("get_state_dict_from_offload")
+
+
+def has_offloaded_params(module: torch.nn.Module) -> bool:
+    """Whether ``module`` carries Accelerate's offloading hook (an ``AlignDevicesHook`` with
+    ``offload=True`` as its ``_hf_hook``, which Accelerate's big-model inference attaches).
+    kwplug attaches no such hook, so this is ``False`` unless the module went through
+    Accelerate's (or ``transformers``' ``device_map``) offloading; the hook is recognised by
+    its class name, without importing Accelerate.
+
+    Args:
+        module: the module to check.
+    """
+    hook = getattr(module, "_hf_hook", None)
+    return type(hook).__name__ == "AlignDevicesHook" and getattr(hook, "offload", False) is True

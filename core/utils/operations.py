@@ -21,17 +21,25 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from kwplug.utils.structures import recursively_apply
+from kwplug.utils.structures import (  # Accelerate's operations module has them
+    convert_outputs_to_fp32,
+    is_namedtuple,
+    pad_input_tensors,
+    recursively_apply,
+)
 
 __all__ = [
     "CannotPadNestedTensorWarning",
     "DistributedOperationException",
     "broadcast",
     "broadcast_object_list",
+    "convert_outputs_to_fp32",
     "copy_tensor_to_devices",
     "gather",
     "gather_object",
+    "is_namedtuple",
     "pad_across_processes",
+    "pad_input_tensors",
     "reduce",
 ]
 

@@ -8,6 +8,8 @@ Both stay below the Accelerator: the unwrapping and the live-Accelerator registr
 from __future__ import annotations
 
 import os
+import platform
+import re
 from typing import Any, BinaryIO
 
 import torch
@@ -15,7 +17,7 @@ import torch
 from kwplug._environment import ProcessInfo
 from kwplug._runtime import write
 
-__all__ = ["extract_model_from_parallel", "save", "wait_for_everyone"]
+__all__ = ["check_os_kernel", "extract_model_from_parallel", "save", "wait_for_everyone"]
 
 
 def wait_for_everyone() -> None:
@@ -108,3 +110,28 @@ def save(
     info = ProcessInfo.current()
     if (info.local_rank if save_on_each_node else info.rank) == 0:
         write(obj, f, safe_serialization, weights_only=True)
+
+
+_MIN_KERNEL = (5, 5, 0)
+
+
+def check_os_kernel() -> None:
+    """Warn (on the main process, logger ``kwplug.utils.other``) when this is Linux with a
+    kernel older than 5.5.0, which can make processes hang (Accelerate's check; issue
+    huggingface/accelerate#1929). Nothing on other systems or an unparsable release
+    (``platform.uname()``)."""
+    from kwplug._logging import rank_logger
+
+    info = platform.uname()
+    if info.system != "Linux":
+        return
+    match = re.search(r"(\d+)\.(\d+)\.(\d+)", info.release)
+    if match is None:
+        return
+    if tuple(int(part) for part in match.groups()) < _MIN_KERNEL:
+        minimum = ".".join(map(str, _MIN_KERNEL))
+        rank_logger(__name__).warning(
+            f"Detected kernel version {match.group()}, which is below the recommended minimum "
+            f"of {minimum}; this can cause the process to hang. It is recommended to upgrade "
+            "the kernel to the minimum version or higher."
+        )

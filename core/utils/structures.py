@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 
 __all__ = [
     "concatenate",
+    "convert_outputs_to_fp32",
     "convert_to_fp32",
     "find_batch_size",
     "find_device",
@@ -22,6 +24,7 @@ __all__ = [
     "is_namedtuple",
     "is_torch_tensor",
     "listify",
+    "pad_input_tensors",
     "recursively_apply",
     "send_to_device",
     "slice_tensors",
@@ -64,8 +67,8 @@ def recursively_apply(
             of keeping it unchanged.
 
     Raises:
-        TypeError: ``error_on_other_type`` and a leaf of another type (the message names its
-            type and ``func``).
+        TypeError: ``error_on_other_type`` and a leaf of another type (Accelerate's message,
+            naming its type and ``func``).
     """
     if isinstance(data, (tuple, list)):
         return honor_type(
@@ -100,9 +103,10 @@ def recursively_apply(
         return func(data, *args, **kwargs)
     if error_on_other_type:
         name = getattr(func, "__name__", repr(func))
-        raise TypeError(
-            f"unsupported type {type(data).__name__} passed to {name}: only nested "
-            f"lists/tuples/dicts of objects accepted by {test_type.__name__} are"
+        raise TypeError(  # Accelerate's message, word for word (its tests compare it)
+            f"Unsupported types ({type(data)}) passed to `{name}`. Only nested "
+            f"list/tuple/dicts of objects that are valid for `{test_type.__name__}` should be "
+            "passed."
         )
     return data
 
@@ -242,4 +246,72 @@ def convert_to_fp32(tensor: Any) -> Any:
         test_type=lambda t: (
             isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16)
         ),
+    )
+
+
+class _Fp32Outputs:
+    """The callable :func:`convert_outputs_to_fp32` wraps: ``convert_to_fp32`` of the wrapped
+    function's result. Accelerate's refuses to pickle (a model whose forward it is must be
+    unwrapped first); this one pickles when the wrapped function does (a model's bound
+    ``forward`` does), so a model carrying it saves with ``torch.save``/``pickle``."""
+
+    __wrapped__: Callable[..., Any]
+
+    def __init__(self, model_forward: Callable[..., Any]) -> None:
+        functools.update_wrapper(self, model_forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return convert_to_fp32(self.__wrapped__(*args, **kwargs))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the wrapped function alone (update_wrapper's copies follow from it).
+        return (type(self), (self.__wrapped__,))
+
+
+def convert_outputs_to_fp32(model_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``model_forward`` so that its float16/bfloat16 outputs come back as float32
+    (:func:`convert_to_fp32` of its result): Accelerate's decorator for a model's forward.
+
+    The result keeps ``model_forward``'s name, docstring and signature
+    (``functools.update_wrapper``; ``__wrapped__`` is ``model_forward``) and pickles when
+    ``model_forward`` does (Accelerate's raises ``pickle.PicklingError``).
+    """
+    return _Fp32Outputs(model_forward)
+
+
+def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:
+    """Pad every tensor of nested data with zero rows so that its first dimension can be split
+    over ``num_processes`` (Accelerate's, with its sizes: ``batch_size + to_pad`` rows where
+    ``to_pad`` is ``num_processes - batch_size // num_processes``, or ``num_processes -
+    batch_size`` for a batch smaller than ``num_processes``; ``tensor[:batch_size]`` is the
+    input, the new rows are zeros, ``Tensor.new_zeros``).
+
+    Args:
+        tensor: nested data of tensors (any other leaf is a ``TypeError``).
+        batch_size: the number of samples in the batch (``tensor.shape[dim]``).
+        num_processes: the number of processes the batch is split over.
+        dim: the dimension the input is copied along (the padded one is always 0, as
+            Accelerate's).
+    """
+
+    def _pad(t: torch.Tensor, batch_size: int, num_processes: int, dim: int = 0) -> torch.Tensor:
+        per_process = batch_size // num_processes
+        last_inputs = batch_size - per_process * num_processes
+        to_pad = num_processes - batch_size if per_process == 0 else num_processes - per_process
+        if last_inputs > to_pad and to_pad < 1:  # Accelerate's rare negative case
+            to_pad = last_inputs - to_pad
+        new_size = list(t.shape)
+        new_size[0] = batch_size + to_pad
+        padded = t.new_zeros(tuple(new_size))
+        index = tuple(slice(0, t.shape[dim]) if i == dim else slice(None) for i in range(t.dim()))
+        padded[index] = t
+        return padded
+
+    return recursively_apply(
+        _pad,
+        tensor,
+        error_on_other_type=True,
+        batch_size=batch_size,
+        num_processes=num_processes,
+        dim=dim,
     )

@@ -40,6 +40,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kwplug.comm_hooks",
             "kwplug.attached_state",
             "kwplug.tracking",
+            # Accelerate's tracker names kwplug has no plugin for (kwplug.tracking's lazy table)
+            "kwplug._tracker_placeholders",
             "kwplug._additive",
             "kwplug._lazy",
         ),

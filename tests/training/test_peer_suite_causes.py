@@ -317,3 +317,73 @@ def test_split_between_processes_a_real_datasets_dataset() -> None:
 
     data = datasets.Dataset.from_dict({"x": list(range(5))})
     assert split_between_processes(data, 2, 1, True)["x"] == [3, 4, 4]
+
+
+def test_prepared_objects_are_listed_and_flagged_as_accelerate_does() -> None:
+    # Accelerate's tests/test_accelerator.py reads ``accelerator._models`` (and the other
+    # lists) and the ``_is_accelerate_prepared`` flag; preparing a prepared model again
+    # returns it without a second entry.
+    accelerator = kwplug.Accelerator()
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    prepared = accelerator.prepare(model, optimizer, scheduler, loader, [1, 2])
+    lists = (
+        accelerator._models,
+        accelerator._optimizers,
+        accelerator._schedulers,
+        accelerator._dataloaders,
+    )
+    for obj, listed in zip(prepared, lists, strict=False):
+        assert any(obj is item for item in listed)
+        assert getattr(obj, "_is_accelerate_prepared", False) is True
+    assert getattr(prepared[4], "_is_accelerate_prepared", False) is False
+    assert accelerator.prepare_model(prepared[0]) is prepared[0]
+    assert len(accelerator._models) == 1
+    accelerator.free_memory()
+    assert [len(listed) for listed in lists] == [0, 0, 0, 0]
+
+
+def test_loaders_answer_accelerates_iteration_and_base_dataloader() -> None:
+    from kwplug.data_loader import DataLoaderShard, skip_first_batches
+
+    loader = DataLoaderShard(list(range(16)), batch_size=4)
+    assert loader.base_dataloader is loader
+    with pytest.raises(AttributeError):
+        _ = DataLoaderShard.base_dataloader  # an attribute of loaders, as Accelerate's
+    assert isinstance(loader.base_dataloader, torch.utils.data.DataLoader)
+    loader.set_epoch(1)
+    assert loader.iteration == 1
+    assert skip_first_batches(loader, num_batches=2).iteration == 1
+    assert [b.tolist() for b in loader] == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    assert loader.iteration == 2  # advanced by the completed iteration, as Accelerate's
+
+
+def test_partial_state_shared_state_is_empty_until_an_accelerator_is_built() -> None:
+    # Accelerate's test_tracking.py: building a tracker must not set the state up; building
+    # the Accelerator does (``PartialState._shared_state`` read before and after).
+    from kwplug.plugins.trackers import JSONLinesTracker
+    from kwplug.state import PartialState
+
+    PartialState._reset_state()
+    assert PartialState._shared_state == {}
+    tracker = JSONLinesTracker("run", ".")
+    assert PartialState._shared_state == {}
+    accelerator = kwplug.Accelerator(log_with=tracker)
+    shared = PartialState._shared_state
+    assert shared["device"] == accelerator.device
+    assert shared["num_processes"] == 1 and shared["_cpu"] is True
+    PartialState._reset_state()
+    assert PartialState._shared_state == {}
+
+
+def test_accelerate_torch_device_names_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Accelerate's test_accelerator.py::test_env_var_device: ACCELERATE_TORCH_DEVICE is used
+    # as it is; a malformed value is a ValueError naming the variable.
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu:64")
+    accelerator = kwplug.Accelerator()
+    assert str(accelerator.device) == str(accelerator.state.device) == "cpu:64"
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "not-a-device")
+    with pytest.raises(ValueError, match="ACCELERATE_TORCH_DEVICE"):
+        kwplug.Accelerator()

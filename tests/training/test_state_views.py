@@ -57,8 +57,13 @@ def test_prepare_data_loader_shards_as_accelerate_and_refuses_what_it_cannot_do(
         prepare_data_loader(data, torch.device("cpu"), 2, 2)
     with pytest.raises(TypeError, match="split_batches"):
         prepare_data_loader(data, split_batches=1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="returned by accelerator.prepare"):
-        skip_first_batches(data, 1)
+    # A plain DataLoader (Accelerate accepts one): a one-process prepared copy that skips.
+    skipped = skip_first_batches(data, 1)
+    assert skipped is not data
+    assert [b.tolist() for b in skipped] == [[2, 3], [4, 5], [6, 7], [8, 9]]
+    assert len([b.tolist() for b in data]) == 5  # the original still yields all 5
+    with pytest.raises(TypeError, match="DataLoader"):
+        skip_first_batches([1, 2], 1)
 
 
 def test_synchronize_rng_states_validates_before_any_collective() -> None:

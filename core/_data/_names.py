@@ -1,0 +1,34 @@
+"""Accelerate's attribute names on a prepared loader that code written for Accelerate reads,
+as views of kwplug's own: ``iteration`` (the epoch) and ``base_dataloader`` (the loader
+itself: a kwplug loader is a ``DataLoader``, not an adapter around one)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class _TheLoader:
+    """``base_dataloader``: the loader itself, on an instance only (Accelerate's is an
+    instance attribute, so the class has none: ``DataLoaderShard.base_dataloader`` raises
+    ``AttributeError``)."""
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            raise AttributeError("base_dataloader is an attribute of a loader, not of its class")
+        return instance
+
+
+class AccelerateLoaderNames:
+    """Mixed into :class:`kwplug._data._loader.PreparedDataLoader`."""
+
+    epoch: int
+
+    @property
+    def iteration(self) -> int:
+        """Accelerate's ``DataLoaderShard.iteration``: :attr:`epoch` (the epoch of the current
+        or next iteration, advanced when one completes, as Accelerate's counter)."""
+        return self.epoch
+
+    #: Accelerate's ``DataLoaderAdapter.base_dataloader``: the ``DataLoader`` batches come
+    #: from, which for a kwplug loader is the loader itself.
+    base_dataloader = _TheLoader()
