@@ -34,7 +34,7 @@ def test_both_launchers_run_a_function_in_two_processes() -> None:
         }, tag
     assert returned["single"] is None  # one process: run here, as Accelerate
     # A functools.partial (no __name__) launches too: Accelerate's test_scheduler does this.
-    assert returned["partial"] == {"0": ["partial", 0, 1, "cpu", 1.0, None]}
+    assert returned["partial"] == {"0": ["partial", 0, 1, "cpu", "no", 1.0, None]}
 
 
 def test_signatures_are_accelerates() -> None:
