@@ -49,6 +49,9 @@ def main() -> None:
     synced = [p.grad.flatten().tolist() for p in model.parameters() if p.grad is not None]
     optimizer.zero_grad()
     accelerator.save_state(folder)
+    # Accelerate's save_state writes on the main process and returns without a barrier: the
+    # other ranks wait here before reading what it wrote.
+    accelerator.wait_for_everyone()
     (model_file,) = glob.glob(f"{folder}/**/model*.safetensors", recursive=True)
     with safe_open(model_file, "pt") as f:
         keys = sorted(f.keys())
