@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from kwplug._launch_config import LaunchConfigError, default_config_file, read_config
+from kwplug._cli.launch_config import LaunchConfigError, default_config_file, read_config
 
 __all__ = ["add_launch_parser", "launch_command", "torchrun_arguments"]
 
