@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 import torch
 
-from kwplug._environment import end_process_group
 from kwplug._plugins import Answer, KwplugPluginManager
+from kwplug._process.environment import end_process_group
 from kwplug.accelerator import _metrics, _ops
 from kwplug.accelerator._agreement import LiveAgreement, check_ranks_agree
 from kwplug.accelerator._api_prepare import _PrepareAPI

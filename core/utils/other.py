@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from kwplug._environment import ProcessInfo
+from kwplug._process.environment import ProcessInfo
 from kwplug._runtime import write
 
 __all__ = ["check_os_kernel", "extract_model_from_parallel", "save", "wait_for_everyone"]
@@ -120,7 +120,7 @@ def check_os_kernel() -> None:
     kernel older than 5.5.0, which can make processes hang (Accelerate's check; issue
     huggingface/accelerate#1929). Nothing on other systems or an unparsable release
     (``platform.uname()``)."""
-    from kwplug._logging import rank_logger
+    from kwplug._process.rank_logging import rank_logger
 
     info = platform.uname()
     if info.system != "Linux":

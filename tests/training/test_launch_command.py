@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kwplug import cli
-from kwplug._launch_config import LaunchConfigError, read_config
+from kwplug._cli.launch_config import LaunchConfigError, read_config
 from kwplug.testing.distributed import child_environment, run_bounded
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "launched_training.py"
@@ -260,7 +260,7 @@ def test_env_prints_what_accelerate_env_prints(tmp_path: Path) -> None:
 
 
 def test_torchrun_command_lines() -> None:
-    from kwplug._launch import torchrun_arguments
+    from kwplug._cli.launch import torchrun_arguments
 
     base = {"training_script": "train.py", "training_script_args": ["--lr", "1"]}
     argv, env = torchrun_arguments({**base, "num_processes": 2, "mixed_precision": "bf16"})

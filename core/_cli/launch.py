@@ -14,13 +14,12 @@ naming it.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kwplug._launch_config import LaunchConfigError, default_config_file, read_config
+from kwplug._cli.launch_config import LaunchConfigError, default_config_file, read_config
+from kwplug.utils.environment import patch_environment
 
 __all__ = ["add_launch_parser", "launch_command", "torchrun_arguments"]
 
@@ -221,21 +220,6 @@ def _environment(settings: Mapping[str, Any]) -> dict[str, str]:
     return env
 
 
-@contextlib.contextmanager
-def _patched_environment(changes: Mapping[str, str]) -> Iterator[None]:
-    # The workers inherit os.environ; restored so that an in-process call leaves no trace.
-    previous = {key: os.environ.get(key) for key in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def launch_command(args: argparse.Namespace, unknown: Sequence[str] = ()) -> int:
     """Run ``kwplug launch``; returns the exit status (1 when a worker failed, 2 for bad
     flags or config)."""
@@ -264,7 +248,7 @@ def _run(argv: list[str], env: Mapping[str, str], quiet: bool) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    with _patched_environment(env):
+    with patch_environment(**env):  # the workers inherit os.environ; restored after
         try:
             run(get_args_parser().parse_args(argv))  # type: ignore[no-untyped-call]
         except ChildFailedError as error:
