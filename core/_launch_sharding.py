@@ -110,17 +110,18 @@ def check_flags(args: argparse.Namespace) -> None:
 def config_settings(file: str, data: Mapping[str, Any]) -> dict[str, Any]:
     """A config file's ``fsdp_config`` and ``parallelism_config`` as flat launch settings
     (``fsdp_config``'s keys get Accelerate's ``fsdp_`` prefix when they lack it), plus
-    ``config_use_fsdp``/``config_use_parallelism_config`` (``distributed_type: FSDP``; a
-    non-empty ``parallelism_config``).
+    ``config_use_fsdp: True`` for ``distributed_type: FSDP`` and
+    ``config_use_parallelism_config: True`` for a non-empty ``parallelism_config``.
 
     Raises:
         ValueError: a key that is no ``accelerate launch`` flag (names the file and key), or
             a section that is not a mapping.
     """
-    settings: dict[str, Any] = {
-        "config_use_fsdp": data.get("distributed_type") == "FSDP",
-        "config_use_parallelism_config": bool(data.get("parallelism_config")),
-    }
+    settings: dict[str, Any] = {}
+    if data.get("distributed_type") == "FSDP":
+        settings["config_use_fsdp"] = True
+    if data.get("parallelism_config"):
+        settings["config_use_parallelism_config"] = True
     for section, prefix in (("fsdp_config", "fsdp_"), ("parallelism_config", "")):
         values = data.get(section) or {}
         if not isinstance(values, Mapping):

@@ -21,8 +21,8 @@ from kwplug import FullyShardedDataParallelPlugin, ParallelismConfig, _launch, c
 from kwplug._launch_sharding import FLAGS
 
 pytest.importorskip("accelerate")
-from accelerate.commands import launch as accelerate_launch  # noqa: E402
-from accelerate.utils import launch as accelerate_env  # noqa: E402
+from accelerate.commands import launch as accelerate_launch
+from accelerate.utils import launch as accelerate_env
 
 #: The variables the comparison covers (the dynamo and thread ones are other modules').
 PREFIXES = ("ACCELERATE_USE_FSDP", "FSDP_", "ACCELERATE_USE_PARALLELISM_CONFIG")
