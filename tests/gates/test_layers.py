@@ -99,6 +99,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kwplug.cli",
             "kwplug._launch",  # kwplug launch and its config file, kwplug env's text
             "kwplug._launch_config",
+            "kwplug._launch_sharding",
             "kwplug._env_report",
             "kwplug._cli_child",
             "kwplug.__main__",
