@@ -19,7 +19,15 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["FLAGS", "add_flags", "check_flags", "config_settings", "environment"]
+__all__ = [
+    "FLAGS",
+    "add_flags",
+    "check_environment",
+    "check_flags",
+    "config_settings",
+    "environment",
+    "resolve",
+]
 
 #: Accelerate's ``--fsdp_*`` and ``--parallelism_config_*`` flags with their defaults and types.
 FLAGS: Mapping[str, tuple[Any, Callable[[str], Any]]] = {
