@@ -26,6 +26,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from kwplug.plugins.ddp_comm_hooks._adapters import ORDERS_COLLECTIVES
+from kwplug.plugins.ddp_comm_hooks._canonical import IN_PLACE_VIEWS
 from kwplug.plugins.ddp_comm_hooks._common import (
     GradBucket,
     all_reduce_async,
@@ -78,13 +79,19 @@ class _Layout:
                 self.raw_numel += grad.numel()
                 state.total_numel_after_compression += before
 
-    def errors(self, error: torch.Tensor, buffer: torch.Tensor) -> list[torch.Tensor]:
-        # Each compressed matrix's slice of the per-bucket error tensor (laid out as buffer).
-        base = buffer.storage_offset()
-        return [
-            error.narrow(0, matrix.storage_offset() - base, matrix.numel()).view(matrix.shape)
-            for matrix, _, _, _ in self.matrices
-        ]
+    def errors(self, error: torch.Tensor) -> list[torch.Tensor]:
+        # Each compressed matrix's slice of the bucket's error tensor: the matrices back to
+        # back in the bucket's order (canonical under kwplug), whatever DDP's layout.
+        out = []
+        offset = 0
+        for matrix, _, _, _ in self.matrices:
+            out.append(error.narrow(0, offset, matrix.numel()).view(matrix.shape))
+            offset += matrix.numel()
+        return out
+
+    @property
+    def matrix_numel(self) -> int:
+        return sum(matrix.numel() for matrix, _, _, _ in self.matrices)
 
     def factors(
         self, packed: torch.Tensor, q_flat: torch.Tensor
@@ -192,11 +199,11 @@ def power_sgd_inplace_hook(
         q_flat = buffer.new_empty(layout.q_numel)
     error = None
     if state.use_error_feedback:
-        error = _memory(state.error_dict, key, buffer.numel(), buffer)
+        error = _memory(state.error_dict, key, layout.matrix_numel, buffer)
         if error is None:
-            error = state.error_dict[key] = torch.zeros_like(buffer)
+            error = state.error_dict[key] = buffer.new_zeros(layout.matrix_numel)
     factors = layout.factors(packed, q_flat)
-    errors = [] if error is None else layout.errors(error, buffer)
+    errors = [] if error is None else layout.errors(error)
     if fresh:
         # As torch: one seed per bucket drawn from the state's RNG (the same on every rank),
         # then each Q (cols x r) drawn in turn from the CPU generator.
@@ -270,5 +277,7 @@ def power_sgd_inplace_hook(
     return result
 
 
-# Orders its collectives itself (a second group for Q, or waiting when there is none).
+# Orders its collectives itself (a second group for Q, or waiting when there is none), and
+# works on the bucket's gradient views in place (no canonical gather and scatter copies).
 setattr(power_sgd_inplace_hook, ORDERS_COLLECTIVES, True)
+setattr(power_sgd_inplace_hook, IN_PLACE_VIEWS, True)
