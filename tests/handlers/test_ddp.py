@@ -53,6 +53,7 @@ def test_enum_members() -> None:
         ("BF16", "bf16"),
         ("POWER_SGD", "power_sgd"),
         ("BATCHED_POWER_SGD", "batched_power_sgd"),
+        ("POWER_SGD_INPLACE", "power_sgd_inplace"),
     ]
     assert H.FP16 == "fp16"
     assert kwplug.DDPCommunicationHookType is H
