@@ -139,9 +139,6 @@ def test_with_a_wrapper_and_unused_parameter_map(
         rank0, rank1 = results[name]
         assert rank0["params"] == rank1["params"], name
         assert _trains(rank0["losses"]), name
-    exact = torch.tensor(results["power_sgd_inplace"][0]["params"])
-    unused = torch.tensor(results["power_sgd_inplace-unused"][0]["params"])
-    assert torch.equal(unused, exact)  # the used-parameter map changes nothing
 
 
 class _Bucket:
