@@ -114,23 +114,36 @@ class _Layout:
 _OUTER_MAX_RANK = 4
 
 
-def _low_rank(p_t: torch.Tensor, q_t: torch.Tensor, out: torch.Tensor, base: Any = None) -> None:
-    # out = P Q^T, or base - P Q^T when base is given (out must not be base).
+def _decompress(
+    p_t: torch.Tensor,
+    q_t: torch.Tensor,
+    matrix: torch.Tensor,
+    work: torch.Tensor,
+    error_feedback: bool,
+) -> None:
+    # matrix (in DDP's bucket) = P Q^T; work holds M, and becomes the residual M - P Q^T
+    # with error feedback. Matrix products only read and write work (the same offsets whatever
+    # DDP's layout: MKL's results may depend on the operands' alignment, and a resumed run
+    # must compute bit for bit what an uninterrupted one did); the bucket gets elementwise
+    # writes only.
     rank = p_t.shape[0]
     if rank > _OUTER_MAX_RANK:
-        if base is None:
-            torch.mm(p_t.t(), q_t, out=out)
+        if error_feedback:
+            matrix.copy_(work)
+            work.addmm_(p_t.t(), q_t, alpha=-1)
+            matrix.sub_(work)
         else:
-            torch.addmm(base, p_t.t(), q_t, alpha=-1, out=out)
+            torch.mm(p_t.t(), q_t, out=work)
+            matrix.copy_(work)
         return
     for j in range(rank):
         column, row = p_t[j].unsqueeze(1), q_t[j]
-        if j == 0 and base is None:
-            torch.mul(column, row, out=out)
-        elif j == 0:
-            torch.addcmul(base, column, row, value=-1, out=out)
+        if j == 0:
+            torch.mul(column, row, out=matrix)
         else:
-            out.addcmul_(column, row, value=1 if base is None else -1)
+            matrix.addcmul_(column, row)
+        if error_feedback:
+            work.addcmul_(column, row, value=-1)
 
 
 def _memory(memory: dict[Any, torch.Tensor], key: Any, numel: int, like: torch.Tensor) -> Any:
@@ -197,13 +210,16 @@ def power_sgd_inplace_hook(
         packed = buffer.new_empty(packed_numel)
     if q_flat is None:
         q_flat = buffer.new_empty(layout.q_numel)
-    error = None
-    if state.use_error_feedback:
-        error = _memory(state.error_dict, key, layout.matrix_numel, buffer)
-        if error is None:
-            error = state.error_dict[key] = buffer.new_zeros(layout.matrix_numel)
+    # The matrices M, back to back in the bucket's order: with error feedback, last step's
+    # residual plus this step's gradient, in place (the residual is then computed into it).
+    feedback = bool(state.use_error_feedback)
+    work = _memory(state.error_dict, key, layout.matrix_numel, buffer) if feedback else None
+    if work is None:
+        work = buffer.new_zeros(layout.matrix_numel)
+        if feedback:
+            state.error_dict[key] = work
     factors = layout.factors(packed, q_flat)
-    errors = [] if error is None else layout.errors(error)
+    works = layout.errors(work)
     if fresh:
         # As torch: one seed per bucket drawn from the state's RNG (the same on every rank),
         # then each Q (cols x r) drawn in turn from the CPU generator.
@@ -211,11 +227,13 @@ def power_sgd_inplace_hook(
         for _, _, q_t in factors:
             q_t.t().copy_(torch.randn(q_t.t().shape, generator=generator, dtype=q_t.dtype))
     epsilon = float(state.orthogonalization_epsilon)
-    for n, (matrix, p_t, q_t) in enumerate(factors):
-        if errors:
-            matrix.add_(errors[n])
+    for (matrix, p_t, q_t), m in zip(factors, works, strict=True):
+        if feedback:
+            m.add_(matrix)
+        else:
+            m.copy_(matrix)
         _orthonormalize_columns(q_t.t().unsqueeze(0), epsilon)
-        torch.mm(q_t, matrix.t(), out=p_t)  # P^T = (M Q)^T
+        torch.mm(q_t, m.t(), out=p_t)  # P^T = (M Q)^T
     if layout.raw:
         torch.cat(layout.raw, out=packed[: layout.raw_numel])
     p_future = all_reduce_async(packed, state.process_group)
@@ -229,11 +247,8 @@ def power_sgd_inplace_hook(
     def decompress(fut: torch.futures.Future[Any]) -> None:
         try:
             future_tensor(fut).div_(group_size)  # q_flat, summed over ranks
-            for n, (matrix, p_t, q_t) in enumerate(factors):
-                if errors:
-                    # The residual first, while matrix still holds M: error = M - P Q^T.
-                    _low_rank(p_t, q_t, errors[n], base=matrix)
-                _low_rank(p_t, q_t, matrix)
+            for (matrix, p_t, q_t), m in zip(factors, works, strict=True):
+                _decompress(p_t, q_t, matrix, m, feedback)
             if not state.warm_start:
                 state.p_memory_dict.clear()
                 state.q_memory_dict.clear()
@@ -252,9 +267,9 @@ def power_sgd_inplace_hook(
                 for grad in layout.raw:
                     grad.copy_(raw.narrow(0, offset, grad.numel()))
                     offset += grad.numel()
-            for matrix, p_t, q_t in factors:
+            for (_, p_t, q_t), m in zip(factors, works, strict=True):
                 _orthonormalize_columns(p_t.t().unsqueeze(0), epsilon)
-                torch.mm(p_t, matrix, out=q_t)  # Q^T = (M^T P)^T
+                torch.mm(p_t, m, out=q_t)  # Q^T = (M^T P)^T
             state.p_memory_dict[key] = packed
             state.q_memory_dict[key] = q_flat
             # Looked up, not captured: a callback never holds the last reference to a group.
