@@ -32,7 +32,8 @@ class DDPCommunicationHookType(str, enum.Enum):
     ``BF16 = "bf16"`` (all-reduce in half precision), ``POWER_SGD = "power_sgd"`` (torch's
     per-tensor PowerSGD), ``BATCHED_POWER_SGD = "batched_power_sgd"`` (PowerSGD over the
     whole bucket) and ``POWER_SGD_INPLACE = "power_sgd_inplace"`` (kwplug's per-tensor
-    PowerSGD: two collectives per bucket, in-place error feedback). Being a ``str`` enum, each member compares equal to its value.
+    PowerSGD: two collectives per bucket, in-place error feedback). Being a ``str`` enum, each
+    member compares equal to its value.
     """
 
     NO = "no"
