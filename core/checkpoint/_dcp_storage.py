@@ -201,7 +201,7 @@ class _Spans:
 
     def read_into(self, item: ReadItem, planner: LoadPlanner) -> bool:
         """Read ``item``'s slice straight into its target; False where it cannot be."""
-        entry = self.header.get(item.storage_index.fqn)
+        entry: Any = self.header.get(item.storage_index.fqn)
         target = planner.resolve_tensor(item).detach()
         try:
             dtype = codec.DTYPES[entry["dtype"]]
