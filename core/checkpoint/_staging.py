@@ -2,21 +2,22 @@
 
 A file is decoded from a private copy of its bytes (anonymous memory, never a mapping of the
 file, which would change with it: :mod:`kwplug.checkpoint._reader`). Making that memory is
-most of a load's cost on a virtual machine (the kernel zeroes and maps every page: ~1 s per
-GiB in 4 KiB pages here, against ~0.2 s to copy a GiB from the page cache), so:
+most of a small load's cost on a virtual machine (the kernel zeroes and maps every page:
+~0.9 s per GiB here with ``MAP_POPULATE``, against ~0.2 s to copy a GiB from the page cache),
+so within one load (:func:`reusing`) a buffer whose decoded tensors are no longer referenced
+(the model's, once ``load_state_dict`` has copied them into the parameters: torch's storage
+use count says so) is read into again by the next file that fits, instead of making new
+memory; its pages past that file are given back (``MADV_DONTNEED``), so that tensors left
+viewing it (an optimizer's new state) hold only their own file's memory.
 
-- a buffer of at least :data:`HUGE` bytes is backed by transparent huge pages
-  (``madvise(MADV_HUGEPAGE)``: one fault per 2 MiB, ~5x cheaper to make here), faulted in by
-  the read itself; where the kernel has no huge pages, it is populated at once
-  (``MAP_POPULATE``), as before;
-- within one load (:func:`reusing`), a buffer whose decoded tensors are no longer referenced
-  (the model's, once ``load_state_dict`` has copied them into the parameters: torch's storage
-  use count says so) is read into again by the next file that fits, instead of making new
-  memory; its pages past that file are given back (``MADV_DONTNEED``), so that tensors left
-  viewing it (an optimizer's new state) hold only their own file's memory.
+A buffer's pages are made in one call for the file read into it
+(``madvise(MADV_POPULATE_WRITE)``, not a fault per page), the rest of its capacity when a
+longer file needs it. Huge pages (``MADV_HUGEPAGE``) were measured and left out: 3x cheaper to
+make in a process that had made and freed them before, but 2-5x slower and erratic in a fresh
+process (the first load of a run), with no compaction or reclaim counted by the kernel.
 
-The buffers are made ``capacity`` bytes long (virtual: pages not touched cost nothing), the
-largest file the load decodes, so that the first one fits every later file.
+The buffers are made ``capacity`` bytes long, the largest file the load decodes, so that the
+first one fits every later file.
 """
 
 from __future__ import annotations
@@ -25,25 +26,14 @@ import contextlib
 import mmap
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-#: Buffers of at least this many bytes get huge pages and are reused within a load.
+#: Buffers of at least this many bytes are reused within a load.
 HUGE = 1 << 21
 _LOCAL = threading.local()
-_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def _huge_pages() -> bool:
-    # "always [madvise] never": huge pages unless the kernel says [never] (or has none).
-    try:
-        return "[never]" not in _THP.read_text() and hasattr(mmap, "MADV_HUGEPAGE")
-    except OSError:
-        return False
-
-
-_HUGE_PAGES = _huge_pages()
+#: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14; Python's ``mmap`` has no name for it).
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def _use_count(tensor: torch.Tensor) -> int | None:
@@ -57,16 +47,19 @@ class _Buffer:
     # One anonymous mapping as a uint8 tensor; ``idle`` once only this object holds it.
     def __init__(self, size: int) -> None:
         flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0)
-        huge = _HUGE_PAGES and size >= HUGE
-        if not huge:  # 4 KiB pages: made in one call, not faulted one by one (2x faster)
-            flags |= getattr(mmap, "MAP_POPULATE", 0)
         self.mapping = mmap.mmap(-1, max(size, 1), flags=flags)
-        if huge:
-            with contextlib.suppress(OSError):
-                self.mapping.madvise(mmap.MADV_HUGEPAGE)
         self.data = torch.frombuffer(self.mapping, dtype=torch.uint8)  # keeps it alive
         self.capacity = size
         self._alone = _use_count(self.data)
+
+    def populate(self, size: int) -> None:
+        # Make the pages of the first ``size`` bytes in one call, not one fault per page (2x
+        # faster here); the rest of the capacity stays unmade until a longer file needs it.
+        # Where the kernel cannot (before Linux 5.14), the read faults them in.
+        end = min(-(-size // mmap.PAGESIZE) * mmap.PAGESIZE, len(self.mapping))
+        if end:
+            with contextlib.suppress(OSError):
+                self.mapping.madvise(_POPULATE_WRITE, 0, end)
 
     def idle(self) -> bool:
         return self._alone is not None and _use_count(self.data) == self._alone
@@ -94,6 +87,7 @@ class _Pool:
             self.buffers.append(chosen)
         else:
             chosen.trim(size)
+        chosen.populate(size)
         return chosen.data[:size]
 
 
@@ -102,7 +96,9 @@ def buffer(size: int) -> torch.Tensor:
     current :func:`reusing` block of this thread when one fits, else a new mapping."""
     pool: _Pool | None = getattr(_LOCAL, "pool", None)
     if pool is None or size < HUGE:
-        return _Buffer(size).data[:size]
+        made = _Buffer(size)
+        made.populate(size)
+        return made.data[:size]
     return pool.take(size)
 
 
