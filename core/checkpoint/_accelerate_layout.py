@@ -309,11 +309,7 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
         plan = _read(sources, folder)
     except CheckpointError as exc:
         error = exc
-    others = [e for e in sources.gather(None if error is None else str(error)) if e is not None]
-    if error is not None:
-        raise error
-    if others:
-        raise CheckpointError(f"another process refused {folder}: {others[0]}", folder)
+    sources.raise_together(error, "another process refused", folder)
     for target, state in plan["models"]:
         # strict=False only for the tied names the file holds once (checked in _read)
         target.load_state_dict(state, strict=False)

@@ -22,6 +22,7 @@ from kwplug.checkpoint import _plan as plan
 from kwplug.checkpoint import _prehooks as prehooks
 from kwplug.checkpoint import _reader as reader
 from kwplug.checkpoint import _resize as resize
+from kwplug.checkpoint import _staging as staging
 from kwplug.checkpoint._accumulation import PendingAccumulation
 from kwplug.checkpoint._stateful import ShardedModelState, ShardedOptimizerState
 from kwplug.errors import CheckpointError, KwplugWarning
@@ -222,6 +223,7 @@ def _read(
             )
     later = {e.file for e in entries if _later(e)}
     later -= _held(entries, later & wanted & records.keys(), records)
+    staging.expect(max((records[e.file][0] for e in entries if e.file in records), default=0))
     # Shard files are verified by their own entries (each rank a share), not all on rank 0.
     listed = {n for n in records if layout.is_own_file(n) and layout.sharded_prefix_of(n) is None}
     names = sorted(listed if main else wanted & records.keys())
@@ -323,46 +325,41 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
             f"rank {rank} found {message}; every process must load a checkpoint (the same "
             "one: the processes of a run load one checkpoint together)"
         )
-    entries = plan.entries(sources)
-    error: CheckpointError | None = None
-    try:  # saved by another number of processes: every rank reads rank 0's file
-        records = manifest.read(directory)
-        if sources.is_main_process:  # a save killed before its links: point them here
-            links.repair(directory.parent, directory, records)
-        solo = manifest.main_only(directory)  # saved by the main process alone: rank_0 only
-        entries = resize.rank_entries(entries, records, sources.num_processes, solo)
-        entries = plan.match_saved(sources, entries, records)  # shards or full
-        entries = prehooks.loading(sources, entries, directory)  # the user's load hooks
-        states, records = _read(sources, directory, entries)
-    except CheckpointError as exc:
-        error = exc
-    others = [e for e in sources.gather(None if error is None else str(error)) if e is not None]
-    if error is not None:
-        raise error
-    if others:
-        raise CheckpointError(f"another rank refused {directory}: {others[0]}", directory)
-    for entry in entries:  # verified on every rank: from here on, load
-        if entry.scope == "sharded":  # a collective: every rank, even after a refusal
-            try:
-                entry.target.load_from(directory, records)  # type: ignore[attr-defined]
-            except CheckpointError as exc:
-                error = error or exc
-            continue
-        if not (entry.file in states or entry.scope == "collective" or entry.sparse):
-            continue
-        if error is not None and entry.scope != "collective":
-            continue  # after a refusal, only what every rank takes part in
-        state = states.pop(entry.file, {})  # held no longer than its load
-        try:  # a file changed in place since it was verified is refused, never loaded
-            state = _decoded(sources, directory, records, entry) if state is LATER else state
+    # Within one load, a file's private buffer is read into again by the next file once
+    # what was decoded from it is no longer referenced (:mod:`._staging`).
+    with staging.reusing():
+        entries = plan.entries(sources)
+        error: CheckpointError | None = None
+        try:  # saved by another number of processes: every rank reads rank 0's file
+            records = manifest.read(directory)
+            if sources.is_main_process:  # a save killed before its links: point them here
+                links.repair(directory.parent, directory, records)
+            solo = manifest.main_only(directory)  # saved by the main process alone: rank_0 only
+            entries = resize.rank_entries(entries, records, sources.num_processes, solo)
+            entries = plan.match_saved(sources, entries, records)  # shards or full
+            entries = prehooks.loading(sources, entries, directory)  # the user's load hooks
+            states, records = _read(sources, directory, entries)
         except CheckpointError as exc:
             error = exc
-            continue
-        entry.target.load_state_dict(state)
-        del state  # one file's tensors at a time
-    others = [e for e in sources.gather(None if error is None else str(error)) if e is not None]
-    if error is not None:
-        raise error
-    if others:
-        raise CheckpointError(f"another rank failed to load {directory}: {others[0]}", directory)
-    return directory
+        sources.raise_together(error, "another rank refused", directory)
+        for entry in entries:  # verified on every rank: from here on, load
+            if entry.scope == "sharded":  # a collective: every rank, even after a refusal
+                try:
+                    entry.target.load_from(directory, records)  # type: ignore[attr-defined]
+                except CheckpointError as exc:
+                    error = error or exc
+                continue
+            if not (entry.file in states or entry.scope == "collective" or entry.sparse):
+                continue
+            if error is not None and entry.scope != "collective":
+                continue  # after a refusal, only what every rank takes part in
+            state = states.pop(entry.file, {})  # held no longer than its load
+            try:  # a file changed in place since it was verified is refused, never loaded
+                state = _decoded(sources, directory, records, entry) if state is LATER else state
+            except CheckpointError as exc:
+                error = exc
+                continue
+            entry.target.load_state_dict(state)
+            del state  # one file's tensors at a time
+        sources.raise_together(error, "another rank failed to load", directory)
+        return directory

@@ -28,9 +28,9 @@ time (files decoded whole in the calling thread, the others hashed by a worker).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
-import mmap
 import os
 import stat
 import struct
@@ -43,6 +43,7 @@ import torch
 
 from kwplug.checkpoint import _checksum as checksum
 from kwplug.checkpoint import _codec as codec
+from kwplug.checkpoint import _staging as staging
 from kwplug.errors import CheckpointError
 
 #: The largest safetensors header read (safetensors' own limit).
@@ -224,15 +225,14 @@ def _checked(path: Path, source: _Source, size: int) -> tuple[Any, dict[str, str
 
 
 def _read_whole(fd: int, path: Path, expected: tuple[int, str], algorithm: str) -> torch.Tensor:
-    # The file's bytes in a private buffer (uint8 tensor), each chunk hashed right after it is
-    # read; refused unless they match the record. The buffer is anonymous memory mapped with
-    # MAP_POPULATE: its pages are made in one call, not faulted in one by one (2x faster here).
+    # The file's bytes in private memory (a uint8 tensor: :mod:`._staging`), each chunk hashed
+    # right after it is read (while in the CPU's cache); refused unless they match the record.
     size = expected[0]
-    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0) | getattr(mmap, "MAP_POPULATE", 0)
-    buffer = mmap.mmap(-1, max(size, 1), flags=flags)
-    data = torch.frombuffer(buffer, dtype=torch.uint8)[:size]  # keeps the buffer alive
-    view = memoryview(buffer)
+    data = staging.buffer(size)
+    view = data.numpy().data
     hashed, offset = checksum.hasher(algorithm, path), 0
+    with contextlib.suppress(OSError, AttributeError):  # a hint only
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
     try:
         while offset < size and (count := os.preadv(fd, [view[offset : offset + CHUNK]], offset)):
             hashed.update(view[offset : offset + count])

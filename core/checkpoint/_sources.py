@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -22,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from kwplug.checkpoint._arrival import SaveArrivals
 from kwplug.checkpoint._runs import RunIdentity
-from kwplug.errors import NotCheckpointableError
+from kwplug.errors import CheckpointError, NotCheckpointableError
 from kwplug.optimizer import AcceleratedOptimizer, ScalerUpdates
 from kwplug.utils.dataclasses import ProjectConfiguration
 
@@ -167,6 +168,25 @@ class CheckpointSources:
         values: list[Any] = [None] * self.num_processes
         torch.distributed.all_gather_object(values, value)
         return values
+
+    def raise_together(self, error: CheckpointError | None, what: str, folder: Path) -> None:
+        """Raise on every rank when any rank failed (a collective: :meth:`gather`).
+
+        Args:
+            error: this rank's refusal, or ``None``.
+            what: the words before ``folder`` in another rank's refusal raised here
+                (``"another rank refused"``).
+            folder: the checkpoint folder, named in the message and as ``.file``.
+
+        Raises:
+            CheckpointError: ``error`` itself on the rank that had it; on the others,
+                ``"<what> <folder>: <the first failing rank's message>"``.
+        """
+        others = [e for e in self.gather(None if error is None else str(error)) if e is not None]
+        if error is not None:
+            raise error
+        if others:
+            raise CheckpointError(f"{what} {folder}: {others[0]}", folder)
 
     def from_main(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (``broadcast_object_list``): the main process
