@@ -1,6 +1,7 @@
 """Accelerate's attribute names on a prepared loader that code written for Accelerate reads,
-as views of kwplug's own: ``iteration`` (the epoch) and ``base_dataloader`` (the loader
-itself: a kwplug loader is a ``DataLoader``, not an adapter around one)."""
+as views of kwplug's own: ``iteration`` (the epoch), ``base_dataloader`` (the loader
+itself: a kwplug loader is a ``DataLoader``, not an adapter around one) and
+``gradient_state`` (the preparing Accelerator's)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ class AccelerateLoaderNames:
     """Mixed into :class:`kwplug._data._loader.PreparedDataLoader`."""
 
     epoch: int
+
+    #: Accelerate's ``DataLoaderShard.gradient_state``: the ``GradientState`` of the
+    #: Accelerator that prepared the loader (``accelerator.gradient_state``, one per
+    #: Accelerator; set by its ``prepare``), ``None`` for a loader no Accelerator prepared
+    #: (``prepare_dataloader``, ``DataLoaderShard(...)``). Held strongly: the loader keeps it
+    #: alive, as Accelerate's loaders keep theirs.
+    gradient_state: Any = None
 
     @property
     def iteration(self) -> int:

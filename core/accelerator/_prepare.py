@@ -265,6 +265,7 @@ class _Prepared:
             tracker=self.active_loaders,
         )
         prepared.device_placement = device_placement
+        prepared.gradient_state = self.gradient_state  # Accelerate's loader attribute
         _mark(prepared)
         if prepared not in self.dataloaders:
             self.dataloaders.append(prepared)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from kwplug.utils.environment import clear_environment
 
@@ -57,3 +58,45 @@ def test_dynamo_to_kwargs_defaults_are_a_plugin_built_without_the_variables(
     # The environment is read, not changed, by to_kwargs().
     assert TorchDynamoPlugin().to_kwargs() == {"backend": "eager"}
     assert os.environ["ACCELERATE_DYNAMO_BACKEND"] == "eager"
+
+
+def test_a_prepared_loader_has_its_accelerators_gradient_state_and_frees_it() -> None:
+    import gc
+    import weakref
+
+    from torch.utils.data import DataLoader
+
+    from kwplug import Accelerator
+    from kwplug.data import prepare_dataloader
+
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    loader = accelerator.prepare_data_loader(DataLoader(list(range(16)), batch_size=4))
+    assert loader.gradient_state is accelerator.gradient_state
+    # What code written for Accelerate reads through the loader while iterating.
+    seen = [(loader.gradient_state.end_of_dataloader, loader.gradient_state.active_dataloader)
+            for _ in loader]  # fmt: skip
+    assert seen == [(False, loader)] * 3 + [(True, loader)]
+    assert loader.gradient_state.num_steps == 2
+    other = Accelerator()
+    assert other.prepare(DataLoader(range(4))).gradient_state is other.gradient_state
+    unprepared = prepare_dataloader(DataLoader(range(4)), torch.device("cpu"), 1, 0)
+    assert unprepared.gradient_state is None
+
+    # Accelerate's test_ensure_dataloader_gets_cleaned_up: an object holding an Accelerator,
+    # its loader and an iterator in mid-epoch, deleted: all freed by reference counting.
+    class Holder:
+        def __init__(self) -> None:
+            self.accelerator = Accelerator()
+            self.loader = self.accelerator.prepare_data_loader(DataLoader(list(range(16)), 4))
+            self.iterator = iter(self.loader)
+
+    gc.disable()
+    try:
+        holder = Holder()
+        assert next(holder.iterator).tolist() == [0, 1, 2, 3]
+        refs = [weakref.ref(holder.accelerator), weakref.ref(holder.loader)]
+        refs.append(weakref.ref(holder.loader.gradient_state))
+        del holder
+        assert [ref() for ref in refs] == [None, None, None]
+    finally:
+        gc.enable()
