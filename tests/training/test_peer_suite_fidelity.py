@@ -100,3 +100,83 @@ def test_a_prepared_loader_has_its_accelerators_gradient_state_and_frees_it() ->
         assert [ref() for ref in refs] == [None, None, None]
     finally:
         gc.enable()
+
+
+class _Quantized(torch.nn.Module):
+    """What transformers' bitsandbytes loading leaves: flags, a device map, and a ``.to()``
+    that raises (bitsandbytes' models cannot be moved)."""
+
+    def __init__(self, device_map: dict[str, object], bits: int = 8) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self.hf_device_map = device_map
+        setattr(self, f"is_loaded_in_{bits}bit", True)
+
+    def to(self, *args: object, **kwargs: object) -> _Quantized:  # type: ignore[override]
+        raise ValueError("`.to` is not supported for `8-bit` bitsandbytes models")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def _outcome(prepare: object, model: torch.nn.Module) -> str:
+    try:
+        prepared = prepare(model)  # type: ignore[operator]
+    except ValueError as exc:
+        return str(exc)
+    return "kept" if prepared is model or getattr(prepared, "module", None) is model else "?"
+
+
+@pytest.mark.parametrize(
+    ("device_map", "bits"),
+    [
+        ({"": "cpu"}, 8),  # Accelerate's test_prepare_model_8bit_cpu_offload_raises_valueerror
+        ({"": "cpu"}, 4),
+        ({"linear": "disk", "x": 0}, 8),
+        ({"": 0}, 8),  # the first device, as Accelerate: not the CPU device, yet no error
+        ({"": "cuda:1"}, 4),  # another device than the training device
+        ({"a": "cpu", "b": 0}, 8),
+    ],
+)
+def test_a_quantized_device_mapped_model_is_checked_and_kept_as_accelerate(
+    device_map: dict[str, object], bits: int
+) -> None:
+    from accelerate import Accelerator as Theirs
+
+    from kwplug import Accelerator
+
+    ours = _outcome(Accelerator(cpu=True).prepare_model, _Quantized(device_map, bits))
+    theirs = _outcome(Theirs(cpu=True).prepare_model, _Quantized(device_map, bits))
+    assert ours == theirs
+    if {"cpu", "disk"} & set(device_map.values()):  # bitsandbytes without multi-backend
+        assert "with CPU or disk offload" in ours
+
+
+def test_a_quantized_model_offloaded_to_disk_alone_is_the_offload_error() -> None:
+    from kwplug import Accelerator
+
+    # Accelerate reads "disk" as a torch device first (a RuntimeError); kwplug says why.
+    with pytest.raises(ValueError, match="with CPU or disk offload"):
+        Accelerator(cpu=True).prepare_model(_Quantized({"": "disk"}))
+
+
+def test_a_model_spread_over_devices_is_left_where_it_is_and_refused_in_several_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kwplug import Accelerator
+    from kwplug.accelerator._device_map import stays_where_mapped
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model.hf_device_map = {"0": "cpu", "1": "disk"}  # type: ignore[assignment]
+    moved: list[object] = []
+    model.to = lambda *a, **k: moved.append(a) or model  # type: ignore[method-assign]
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.verify_device_map(model)
+    assert accelerator.prepare_model(model) is model and moved == []
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"loaded with `device_map='auto'` in any distributed"):
+        stays_where_mapped(model, cpu, world_size=2)
+    monkeypatch.setenv("ACCELERATE_BYPASS_DEVICE_MAP", "true")
+    assert stays_where_mapped(model, cpu, world_size=2)
+    plain = torch.nn.Linear(2, 2)
+    assert not stays_where_mapped(plain, cpu, world_size=2)
