@@ -6,10 +6,13 @@ network."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from kwplug.hooks import ModelHook
 from kwplug.utils.environment import clear_environment
 
 _DYNAMO_ENVIRONMENTS = [
@@ -180,3 +183,122 @@ def test_a_model_spread_over_devices_is_left_where_it_is_and_refused_in_several_
     assert stays_where_mapped(model, cpu, world_size=2)
     plain = torch.nn.Linear(2, 2)
     assert not stays_where_mapped(plain, cpu, world_size=2)
+
+
+class _Double(ModelHook):
+    """Doubles the positional inputs (module level: a hooked model pickles with its hook)."""
+
+    def pre_forward(
+        self, module: torch.nn.Module, *args: Any, **kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return tuple(a * 2 for a in args), kwargs
+
+
+class _PlusOne(ModelHook):
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        return output + 1
+
+
+def test_model_hooks_run_as_accelerates_and_survive_prepare_unwrap_and_pickle() -> None:
+    import pickle
+
+    from accelerate.hooks import ModelHook as TheirHook
+    from accelerate.hooks import add_hook_to_module as their_add
+
+    from kwplug import Accelerator
+    from kwplug.hooks import SequentialHook, add_hook_to_module, remove_hook_from_module
+
+    class TheirDouble(TheirHook):  # type: ignore[misc]
+        def pre_forward(self, module, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return tuple(a * 2 for a in args), kwargs
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    plain = model(x)
+    theirs = torch.nn.Linear(3, 2)
+    theirs.load_state_dict(model.state_dict())
+    their_add(theirs, TheirDouble())
+    assert add_hook_to_module(model, _Double()) is model
+    assert torch.equal(model(x), theirs(x)) and torch.equal(
+        model(x), torch.nn.Linear.forward(model, 2 * x)
+    )
+    add_hook_to_module(model, _PlusOne(), append=True)
+    assert isinstance(model._hf_hook, SequentialHook)
+    assert torch.equal(model(x), theirs(x) + 1)
+    # Accelerate's test_can_unwrap_hooked_model_bf16: prepare in bf16, unwrap, still callable.
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    prepared = accelerator.prepare(model)
+    assert prepared(x).dtype == torch.float32
+    unwrapped = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
+    assert torch.equal(unwrapped(x), theirs(x) + 1)
+    copy = pickle.loads(pickle.dumps(unwrapped))  # Accelerate's hooked forward does not pickle
+    assert torch.equal(copy(x), theirs(x) + 1)
+    remove_hook_from_module(unwrapped)
+    assert torch.equal(unwrapped(x), plain) and not hasattr(unwrapped, "_hf_hook")
+    assert unwrapped.forward.__func__ is torch.nn.Linear.forward
+
+
+def test_no_grad_hook_and_recursive_removal() -> None:
+    from kwplug.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    class NoGrad(ModelHook):
+        no_grad = True
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    add_hook_to_module(model[0], NoGrad())
+    add_hook_to_module(model[1], ModelHook())
+    out = model(torch.ones(1, 2))
+    assert out.requires_grad and model[0](torch.ones(1, 2)).requires_grad is False
+    remove_hook_from_module(model, recurse=True)
+    assert all(
+        not hasattr(m, "_hf_hook") and m.forward.__func__ is torch.nn.Linear.forward for m in model
+    )
+
+
+def test_model_has_dtensor_and_tp_size_as_accelerate() -> None:
+    from types import SimpleNamespace
+
+    from accelerate.utils import get_model_tp_size as their_tp_size
+
+    from kwplug.utils import get_model_tp_size, model_has_dtensor
+
+    model = torch.nn.Linear(4, 4)
+    assert model_has_dtensor(model) is False
+    for tp_size, config in [(None, None), (2, None), (None, SimpleNamespace(
+            distributed_config=SimpleNamespace(tp_size=4))),
+            (None, SimpleNamespace(distributed_config={"tp_size": 8}))]:  # fmt: skip
+        probe = torch.nn.Linear(1, 1)
+        probe.tp_size = tp_size  # type: ignore[assignment]
+        if config is not None:
+            probe.config = config  # type: ignore[assignment]
+        assert get_model_tp_size(probe) == their_tp_size(probe)
+    assert get_model_tp_size(model) is None
+
+
+def test_model_has_dtensor_finds_a_sharded_parameter(tmp_path: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from kwplug.utils import model_has_dtensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Linear(2, 2)
+        model.weight = torch.nn.Parameter(
+            distribute_tensor(model.weight.detach(), mesh, [Replicate()])
+        )
+        assert isinstance(model.weight, DTensor) and model_has_dtensor(model) is True
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp8_recipe_names_import_and_refuse_at_construction() -> None:
+    from kwplug.utils import AORecipeKwargs, TERecipeKwargs
+
+    with pytest.raises(NotImplementedError, match="TERecipeKwargs.*no FP8 training"):
+        TERecipeKwargs(fp8_format="HYBRID")
+    with pytest.raises(NotImplementedError, match="AORecipeKwargs"):
+        AORecipeKwargs()
