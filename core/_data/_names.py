@@ -5,7 +5,7 @@ itself: a kwplug loader is a ``DataLoader``, not an adapter around one) and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 
 class _TheLoader:
@@ -36,6 +36,20 @@ class AccelerateLoaderNames:
         """Accelerate's ``DataLoaderShard.iteration``: :attr:`epoch` (the epoch of the current
         or next iteration, advanced when one completes, as Accelerate's counter)."""
         return self.epoch
+
+    @property
+    def _drop_last(self) -> bool:
+        """Accelerate's ``DataLoaderShard._drop_last``/``DataLoaderDispatcher._drop_last``:
+        the last batch counts as dropped (``remainder`` is ``-1``; a dispatched loader does not
+        complete its last global batch) -- the user's ``drop_last``, as Accelerate's
+        ``prepare`` passes it."""
+        return bool(cast(Any, self).sharding.drop_last)  # PreparedDataLoader's Sharding
+
+    @property
+    def _non_blocking(self) -> bool:
+        """Accelerate's ``_non_blocking``: host-to-device copies are asynchronous
+        (``DataLoaderConfiguration(non_blocking=True)``)."""
+        return bool(cast(Any, self).sharding.non_blocking)
 
     #: Accelerate's ``DataLoaderAdapter.base_dataloader``: the ``DataLoader`` batches come
     #: from, which for a kwplug loader is the loader itself.

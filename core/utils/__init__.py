@@ -61,11 +61,11 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.availability import is_xccl_available as is_xccl_available
     from kwplug.utils.dataclasses import AORecipeKwargs as AORecipeKwargs
     from kwplug.utils.dataclasses import DataLoaderConfiguration as DataLoaderConfiguration
-    from kwplug.utils.dataclasses import TERecipeKwargs as TERecipeKwargs
     from kwplug.utils.dataclasses import DistributedType as DistributedType
     from kwplug.utils.dataclasses import GradientAccumulationPlugin as GradientAccumulationPlugin
     from kwplug.utils.dataclasses import ProjectConfiguration as ProjectConfiguration
     from kwplug.utils.dataclasses import RNGType as RNGType
+    from kwplug.utils.dataclasses import TERecipeKwargs as TERecipeKwargs
     from kwplug.utils.devices import get_accelerator_free_memory as get_accelerator_free_memory
     from kwplug.utils.devices import get_distributed_backend as get_distributed_backend
     from kwplug.utils.devices import get_torch_accelerator_backend as get_torch_accelerator_backend

@@ -302,3 +302,32 @@ def test_fp8_recipe_names_import_and_refuse_at_construction() -> None:
         TERecipeKwargs(fp8_format="HYBRID")
     with pytest.raises(NotImplementedError, match="AORecipeKwargs"):
         AORecipeKwargs()
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize("cls_name", ["DataLoaderShard", "DataLoaderDispatcher"])
+def test_loader_classes_take_accelerates_drop_last_and_non_blocking(
+    cls_name: str, drop_last: bool
+) -> None:
+    import accelerate.data_loader as theirs
+
+    import kwplug.data_loader as ours
+
+    def run(module: Any) -> list[Any]:
+        loader = getattr(module, cls_name)(
+            list(range(10)), batch_size=4, _drop_last=drop_last, _non_blocking=True
+        )
+        loader = module.skip_first_batches(loader, num_batches=1)
+        seen = [(b.tolist(), loader.remainder, loader.end_of_dataloader) for b in loader]
+        return [loader._drop_last, loader._non_blocking, seen]
+
+    # Accelerate's test_skip_first_batches_preserves_configuration, and what the flags do.
+    assert run(ours) == run(theirs)
+    assert run(ours)[:2] == [drop_last, True]
+
+
+def test_drop_last_of_a_loader_class_must_be_a_bool() -> None:
+    from kwplug.data_loader import DataLoaderShard
+
+    with pytest.raises(TypeError, match="_drop_last must be a bool"):
+        DataLoaderShard(list(range(4)), batch_size=2, _drop_last="yes")
