@@ -331,3 +331,49 @@ def test_drop_last_of_a_loader_class_must_be_a_bool() -> None:
 
     with pytest.raises(TypeError, match="_drop_last must be a bool"):
         DataLoaderShard(list(range(4)), batch_size=2, _drop_last="yes")
+
+
+@pytest.mark.parametrize("library", ["kwplug", "accelerate"])
+def test_remap_optimizer_parameters_after_a_placement_that_replaced_them(
+    library: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+
+    Accelerator = importlib.import_module(library).Accelerator
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    old_parameter = model.weight
+    old = accelerator._get_named_parameters(model)
+    assert old == {"weight": old_parameter}
+    ids = accelerator._get_named_parameters(model, torch.nn.Linear(1, 1), drop_refs=True)
+    assert ids["0.weight"] == old_parameter.data_ptr() and set(ids) == {
+        "0.weight", "1.weight", "1.bias"}  # fmt: skip
+    # Accelerate's test_remap_optimizer_parameters: placement that replaces parameters.
+    flag = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model = accelerator.prepare_model(model)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(flag)
+    optimizer = accelerator.prepare_optimizer(optimizer)
+    accelerator._remap_optimizer_parameters(old, model, optimizer)
+    assert model.weight is not old_parameter
+    assert optimizer.param_groups[0]["params"][0] is model.weight
+    before = model.weight.detach().clone()
+    accelerator.backward(model(torch.ones(2, 2)).sum())
+    optimizer.step()
+    torch.testing.assert_close(model.weight, before - 0.2)
+
+
+def test_remap_optimizer_parameters_points_an_unprepared_optimizer_at_the_new_ones() -> None:
+    from kwplug import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    old = accelerator._get_named_parameters(model)
+    model.weight = torch.nn.Parameter(model.weight.detach().clone())  # a replacement
+    accelerator._remap_optimizer_parameters(old, model, optimizer)
+    assert optimizer.param_groups[0]["params"][0] is model.weight
+    assert optimizer.param_groups[0]["params"][1] is model.bias
