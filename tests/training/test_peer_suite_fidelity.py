@@ -377,3 +377,31 @@ def test_remap_optimizer_parameters_points_an_unprepared_optimizer_at_the_new_on
     accelerator._remap_optimizer_parameters(old, model, optimizer)
     assert optimizer.param_groups[0]["params"][0] is model.weight
     assert optimizer.param_groups[0]["params"][1] is model.bias
+
+
+@pytest.mark.parametrize("library", ["kwplug", "accelerate"])
+@pytest.mark.parametrize("split_batches", [False, True])
+def test_a_scheduler_does_not_step_after_an_optimizer_step_marked_overflowed(
+    library: str, split_batches: bool
+) -> None:
+    import importlib
+
+    # Accelerate's lambda_test (tests/test_scheduler.py): code written for Accelerate marks a
+    # skipped step with the prepared optimizer's `_is_overflow`, without a loss scaler.
+    accelerator = importlib.import_module(library).Accelerator(
+        cpu=True, split_batches=split_batches
+    )
+    model = torch.nn.Linear(2, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda n: 1 - n / 10)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    optimizer._is_overflow = False
+    scheduler.step()
+    assert scheduler.get_last_lr()[0] == 0.9
+    optimizer._is_overflow = True
+    assert optimizer.step_was_skipped
+    scheduler.step()
+    assert scheduler.get_last_lr()[0] == 0.9  # not stepped
+    optimizer._is_overflow = False
+    scheduler.step()
+    assert scheduler.get_last_lr()[0] == 0.8
