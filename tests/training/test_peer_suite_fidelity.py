@@ -405,3 +405,27 @@ def test_a_scheduler_does_not_step_after_an_optimizer_step_marked_overflowed(
     optimizer._is_overflow = False
     scheduler.step()
     assert scheduler.get_last_lr()[0] == 0.8
+
+
+def test_set_verbosity_filters_a_ported_scripts_accelerate_logger(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    import kwplug.logging as kl
+
+    # Accelerate's test_verbosity_filters_logs, after the rename.
+    logger = kl.get_logger("accelerate.test_verbosity")
+    levels = {name: logging.getLogger(name).level for name in ("kwplug", "accelerate", "")}
+    try:
+        with caplog.at_level(logging.WARNING, logger="accelerate"):
+            kl.set_verbosity_error()
+            logger.warning("hidden warning")
+            assert not caplog.records
+            kl.set_verbosity_warning()
+            logger.warning("visible warning")
+            assert [r.name for r in caplog.records] == ["accelerate.test_verbosity"]
+        assert logging.getLogger().level == levels[""]
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
