@@ -2,9 +2,10 @@
 :func:`init_empty_weights` and :func:`init_on_device` (a model built without memory, on
 torch's ``meta`` device, before sharding or loading its weights).
 
-Big-model *inference* (device maps, CPU/disk offloading hooks) is not part of kwplug:
-:func:`load_checkpoint_and_dispatch` and :func:`cpu_offload_with_hook` exist, with Accelerate's
-signatures, so that scripts import, and raise ``NotImplementedError`` naming their row of
+and :func:`cpu_offload_with_hook` (a model on the CPU until its forward, through
+:class:`kwplug.hooks.CpuOffload`). Big-model *inference* from device maps is not part of
+kwplug: :func:`load_checkpoint_and_dispatch` exists, with Accelerate's signature, so that
+scripts import, and raises ``NotImplementedError`` naming its row of
 docs/migrating-from-accelerate.md.
 """
 
@@ -13,10 +14,10 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
+from kwplug.hooks import CpuOffload, UserCpuOffloadHook, add_hook_to_module
 from kwplug.utils.environment import parse_flag_from_env
 
 __all__ = [
@@ -119,11 +120,23 @@ def load_checkpoint_and_dispatch(
 def cpu_offload_with_hook(
     model: torch.nn.Module,
     execution_device: int | str | torch.device | None = None,
-    prev_module_hook: Any | None = None,
-) -> tuple[torch.nn.Module, Any]:
-    """Not supported (CPU offloading hooks): Accelerate's signature, so that scripts import.
+    prev_module_hook: UserCpuOffloadHook | None = None,
+) -> tuple[torch.nn.Module, UserCpuOffloadHook]:
+    """Keep ``model`` on the CPU until its forward, which moves it to ``execution_device``
+    (default: torch's accelerator, else the CPU) where it stays until ``hook.offload()``
+    (Accelerate's function, diffusers' ``enable_model_cpu_offload``): a
+    :class:`kwplug.hooks.CpuOffload` appended to its hooks.
 
-    Raises:
-        NotImplementedError: always, naming the migration row.
+    Args:
+        model: the module (moved to the CPU now).
+        execution_device: where its forward runs.
+        prev_module_hook: the hook this function returned for the previous model of a
+            pipeline: that model is offloaded just before this one's forward.
+
+    Returns:
+        ``(model, hook)``: ``hook.offload()`` puts the model back on the CPU,
+        ``hook.remove()`` detaches the hook.
     """
-    raise _not_supported("cpu_offload_with_hook")
+    hook = CpuOffload(execution_device=execution_device, prev_module_hook=prev_module_hook)
+    add_hook_to_module(model, hook, append=True)
+    return model, UserCpuOffloadHook(model, hook)

@@ -429,3 +429,82 @@ def test_set_verbosity_filters_a_ported_scripts_accelerate_logger(
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+def _three_layers() -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)
+    ).eval()
+
+
+@pytest.mark.parametrize("library", ["kwplug", "accelerate"])
+def test_offloading_hooks_keep_weights_on_meta_between_forwards(library: str) -> None:
+    import importlib
+
+    hooks = importlib.import_module(f"{library}.hooks")
+    from kwplug.utils import has_offloaded_params
+
+    model, x = _three_layers(), torch.randn(5, 3)
+    expected = model(x)
+    hooks.attach_align_device_hook(model, execution_device=torch.device("cpu"), offload=True)
+    assert [p.device.type for p in model.parameters()] == ["meta"] * 6
+    assert model[1].running_mean.device.type == "cpu"  # buffers not offloaded by default
+    assert has_offloaded_params(model[0]) and not has_offloaded_params(model)
+    assert torch.equal(model(x), expected)  # each layer's weights brought in for its forward
+    assert [p.device.type for p in model.parameters()] == ["meta"] * 6
+    hooks.remove_hook_from_module(model, recurse=True)
+    assert [p.device.type for p in model.parameters()] == ["cpu"] * 6
+    assert torch.equal(model(x), expected) and not has_offloaded_params(model[0])
+
+
+def test_accelerates_has_offloaded_params_sequence_on_kwplugs_hooks() -> None:
+    from accelerate.test_utils import RegressionModel
+
+    from kwplug.big_modeling import cpu_offload_with_hook
+    from kwplug.hooks import attach_align_device_hook, remove_hook_from_module
+    from kwplug.utils import has_offloaded_params
+
+    # Accelerate's test_has_offloaded_params, after the rename.
+    model = RegressionModel()
+    assert not has_offloaded_params(model)
+    attach_align_device_hook(model, offload=False)
+    assert not has_offloaded_params(model)
+    remove_hook_from_module(model)
+    model, _ = cpu_offload_with_hook(model)
+    assert not has_offloaded_params(model)
+    remove_hook_from_module(model)
+    attach_align_device_hook(model, offload=True)
+    assert has_offloaded_params(model)
+    assert model.a.device.type == "meta"
+    assert model(torch.tensor([2.0])).item() == pytest.approx(0.0)  # a = b = 0: brought in
+
+
+class _Recording(torch.nn.Linear):
+    """A layer that records where ``.to()`` sends it."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.moves: list[str] = []
+
+    def to(self, *args: Any, **kwargs: Any) -> _Recording:  # type: ignore[override]
+        self.moves.append(str(args[0]))
+        return super().to(*args, **kwargs)  # type: ignore[return-value]
+
+
+def test_cpu_offload_with_hook_moves_for_the_forward_and_offloads_the_previous_model() -> None:
+    from kwplug.big_modeling import cpu_offload_with_hook
+    from kwplug.hooks import CpuOffload, UserCpuOffloadHook
+
+    first, second = _Recording(), _Recording()
+    x = torch.randn(3, 2)
+    expected = second(first(x))
+    first, hook_1 = cpu_offload_with_hook(first, execution_device="cpu")
+    second, hook_2 = cpu_offload_with_hook(second, "cpu", prev_module_hook=hook_1)
+    assert isinstance(hook_2, UserCpuOffloadHook) and isinstance(hook_2.hook, CpuOffload)
+    assert first.moves == ["cpu"] and second.moves == ["cpu"]  # on the CPU from the start
+    assert torch.equal(second(first(x)), expected)
+    hook_1.offload()
+    assert first.moves == ["cpu", "cpu"]
+    hook_2.remove()
+    assert not hasattr(second, "_hf_hook") and torch.equal(second(first(x)), expected)
