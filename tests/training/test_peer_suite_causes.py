@@ -170,7 +170,9 @@ def test_big_model_inference_names_import_and_raise_naming_their_row(tmp_path: P
     doc = (Path(__file__).parents[2] / "docs" / "migrating-from-accelerate.md").read_text()
     calls = {
         "infer_auto_device_map": lambda: infer_auto_device_map(model),
-        "load_checkpoint_and_dispatch": lambda: load_checkpoint_and_dispatch(model, tmp_path),
+        "load_checkpoint_and_dispatch": lambda: load_checkpoint_and_dispatch(
+            model, tmp_path, device_map="auto"
+        ),
         "get_state_dict_from_offload": lambda: get_state_dict_from_offload(model, "", {}),
     }  # the hooks are Accelerate's (test_peer_suite_fidelity.py)
     for name, call in calls.items():

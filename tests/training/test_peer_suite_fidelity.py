@@ -508,3 +508,69 @@ def test_cpu_offload_with_hook_moves_for_the_forward_and_offloads_the_previous_m
     assert first.moves == ["cpu", "cpu"]
     hook_2.remove()
     assert not hasattr(second, "_hf_hook") and torch.equal(second(first(x)), expected)
+
+
+class _ForOffload(torch.nn.Module):
+    """Accelerate's ModelForTest (tests/test_accelerator.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear1 = torch.nn.Linear(3, 4)
+        self.batchnorm = torch.nn.BatchNorm1d(4)
+        self.linear2 = torch.nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.batchnorm(self.linear1(x)))
+
+
+@pytest.mark.parametrize("safe", [True, False])
+@pytest.mark.parametrize("library", ["kwplug", "accelerate"])
+def test_load_checkpoint_and_dispatch_offloads_to_disk_and_save_model_keeps_the_weights(
+    library: str, safe: bool, tmp_path: Path
+) -> None:
+    import importlib
+
+    lib = importlib.import_module(library)
+    accelerator = lib.Accelerator(cpu=True)
+    torch.manual_seed(5)
+    model, inputs = _ForOffload().eval(), torch.randn(3, 3)
+    expected = model(inputs)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    device_map = {"linear1": "cpu", "batchnorm": "disk", "linear2": "cpu"}
+    # Accelerate's test_save_model_offload, and what it relies on.
+    accelerator.save_model(model, tmp_path, safe_serialization=safe)
+    lib.load_checkpoint_and_dispatch(
+        model, tmp_path, device_map=device_map, offload_folder=tmp_path
+    )
+    assert model.hf_device_map == device_map
+    assert (
+        model.batchnorm.weight.device.type == "meta" and model.linear1.weight.device.type == "cpu"
+    )
+    assert torch.allclose(model(inputs), expected, atol=1e-6)
+    assert model.batchnorm.weight.device.type == "meta"  # back on meta after the forward
+    saved = tmp_path / "again"
+    accelerator.save_model(model, saved, safe_serialization=safe)
+    name = "model.safetensors" if safe else "pytorch_model.bin"
+    if safe:
+        from safetensors.torch import load_file
+
+        reread = load_file(saved / name)
+    else:
+        reread = torch.load(saved / name, weights_only=True)
+    assert set(reread) == set(weights)
+    assert all(torch.equal(reread[k], weights[k]) for k in weights)  # offloaded ones too
+    lib.load_checkpoint_and_dispatch(model, saved)
+    assert torch.allclose(model(inputs), expected, atol=1e-6)
+
+
+def test_load_checkpoint_and_dispatch_needs_a_folder_for_disk_and_a_map_it_can_read(
+    tmp_path: Path,
+) -> None:
+    from kwplug import Accelerator, load_checkpoint_and_dispatch
+
+    model = _ForOffload()
+    Accelerator(cpu=True).save_model(model, tmp_path)
+    with pytest.raises(ValueError, match="offload_folder"):
+        load_checkpoint_and_dispatch(model, tmp_path, device_map={"batchnorm": "disk"})
+    with pytest.raises(NotImplementedError, match="device_map='...'"):
+        load_checkpoint_and_dispatch(model, tmp_path, device_map="auto")
