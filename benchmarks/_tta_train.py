@@ -66,6 +66,11 @@ def _raw(hook: str, options: dict[str, Any], width: int) -> Setup:
         ddp.register_comm_hook(
             powerSGD_hook.PowerSGDState(None, **options), powerSGD_hook.powerSGD_hook
         )
+    elif hook == "power_sgd_inplace":  # kwplug's function and state, registered by hand
+        from kwplug.plugins import ddp_comm_hooks
+
+        state = ddp_comm_hooks.make_power_sgd_state(None, options)
+        ddp.register_comm_hook(state, ddp_comm_hooks.power_sgd_inplace_hook)
     elif hook in ("int8", "topk"):
         import kwplug_compress as kc
 

@@ -279,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ns, launch, args.rate, args.quick, args.json, width=args.width,
                 accelerate=accelerate_available() and not args.no_accelerate,
                 timeout=args.timeout_s,
+                only=args.configs.split(",") if args.configs else None,
             )  # fmt: skip
     if args.timeline:
         return _timeline(args)

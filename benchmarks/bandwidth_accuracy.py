@@ -37,13 +37,14 @@ HOOKS: dict[str, dict[str, Any]] = {
     "fp16": {},
     "bf16": {},
     "power_sgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 10},
+    "power_sgd_inplace": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 10},
     "int8": {},
     "topk": {"ratio": 0.1},
     "local_sgd": {},
 }
 SYSTEMS = ("raw", "accelerate", "kwplug")
-#: Accelerate has no int8/top-k hook.
-UNSUPPORTED = frozenset({"accelerate:int8", "accelerate:topk"})
+#: Accelerate has no int8/top-k/power_sgd_inplace hook.
+UNSUPPORTED = frozenset({"accelerate:int8", "accelerate:topk", "accelerate:power_sgd_inplace"})
 #: torch's PowerSGD hook aborts the process on gloo: a launch of its own.
 ALONE = frozenset({"raw:power_sgd", "accelerate:power_sgd"})
 #: Seconds a lone torch PowerSGD launch may take: on gloo it aborts, or hangs in a collective.
@@ -85,10 +86,13 @@ def run(
     width: int = 128,
     accelerate: bool = True,
     timeout: float = 900.0,
+    only: Sequence[str] | None = None,
 ) -> int:
-    """Launch the workers in ``ns`` and print the table; the exit status."""
+    """Launch the workers in ``ns`` and print the table; the exit status. ``only``: these
+    ``system:hook`` pairs instead of every one (``--configs``)."""
     results: dict[str, dict[str, Any]] = {}
-    pending = groups(configs(quick, accelerate))
+    chosen = list(only) if only else configs(quick, accelerate)
+    pending = groups(chosen)
     while pending:
         group = pending.pop(0)
         print(f"[time-to-accuracy] {rate}: {','.join(group)}", flush=True)
@@ -101,7 +105,7 @@ def run(
             pending = [[c] for c in group] + pending
         else:
             results[group[0]] = {"config": group[0], "error": error}
-    rows = [results[c] for c in configs(quick, accelerate) if c in results]
+    rows = [results[c] for c in chosen if c in results]
     print("\n".join(markdown(rows, rate, width)), flush=True)
     if out:
         with open(out, "w", encoding="utf-8") as handle:

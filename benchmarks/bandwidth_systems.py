@@ -38,6 +38,7 @@ HOOKS: tuple[str, ...] = (
     "bf16",
     "power_sgd",
     "batched_power_sgd",
+    "power_sgd_inplace",
     "int8",
     "topk",
     "local_sgd",
@@ -95,8 +96,8 @@ def options(hook: str) -> dict[str, Any]:
 
 
 def supported(system: str, hook: str) -> bool:
-    """Whether ``system`` offers ``hook`` (Accelerate has no int8/top-k)."""
-    return not (system == "accelerate" and hook in ("int8", "topk"))
+    """Whether ``system`` offers ``hook`` (Accelerate has no int8/top-k/power_sgd_inplace)."""
+    return not (system == "accelerate" and hook in ("int8", "topk", "power_sgd_inplace"))
 
 
 def _loop(
@@ -139,6 +140,11 @@ def _torch_hook(hook: str) -> tuple[Any, Any]:
     if hook == "batched_power_sgd":
         state = powerSGD_hook.PowerSGDState(None, **POWER_SGD)
         return state, powerSGD_hook.batched_powerSGD_hook
+    if hook == "power_sgd_inplace":  # torch lacks it: kwplug's function and state, by hand
+        from kwplug.plugins import ddp_comm_hooks
+
+        state = ddp_comm_hooks.make_power_sgd_state(None, POWER_SGD)
+        return state, ddp_comm_hooks.power_sgd_inplace_hook
     import kwplug_compress
 
     if hook == "int8":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kwplug._lazy import BUILTIN_HANDLERS, exporter
+from kwplug._contracts.lazy import BUILTIN_HANDLERS, exporter
 
 if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug._plugins import Answer as Answer

@@ -1,5 +1,5 @@
 """The ``kwplug`` command line: ``kwplug plugins``, ``kwplug env`` and ``kwplug launch``
-(:mod:`kwplug._launch`)."""
+(:mod:`kwplug._cli.launch`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 
 import attrs
 
-from kwplug import _cli_child
-from kwplug._env_report import env_report, format_report
-from kwplug._launch import add_launch_parser
+from kwplug._cli import child as _cli_child
+from kwplug._cli.env_report import env_report, format_report
+from kwplug._cli.launch import add_launch_parser
 from kwplug._plugins import LoadControls, PluginRecord, discover, strict_error
 from kwplug.errors import PluginLoadError
 
@@ -55,7 +55,7 @@ def plugin_rows(records: Sequence[PluginRecord]) -> list[dict[str, Any]]:
 
 def _records() -> tuple[PluginRecord, ...]:
     # discover(), with the plugins whose import ended an earlier run of the command (blocked
-    # in this one, see kwplug._cli_child) listed as failed.
+    # in this one, see kwplug._cli.child) listed as failed.
     ended = _cli_child.ended_plugins()
     return tuple(
         attrs.evolve(r, status="failed", error=ended[r.name]) if r.name in ended else r
@@ -325,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kwplug`` console script; returns the exit status.
 
     Without ``argv`` (the console script, ``python -m kwplug``) ``kwplug plugins`` and
-    ``kwplug env`` run in a child process (:mod:`kwplug._cli_child`), so that a plugin whose
+    ``kwplug env`` run in a child process (:mod:`kwplug._cli.child`), so that a plugin whose
     import calls ``os._exit`` is listed ``failed`` by name and distribution, and a plugin's
     non-daemon thread cannot keep the command from exiting; ``kwplug launch`` runs torch's
     ``torch.distributed.run`` in this process (it imports no plugin, and torchrun's signal

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kwplug._additive import merge
+from kwplug._contracts.additive import merge
 
 if TYPE_CHECKING:
     import torch

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from kwplug._answers import AutocastFactory, DeviceChoice
-from kwplug._hookinfo import (
+from kwplug._contracts.answers import AutocastFactory, DeviceChoice
+from kwplug._contracts.hookinfo import (
     ADDITIVE,
     EVERY,
     INFO,
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from kwplug.precision import LossScaler
     from kwplug.tracking import TrackerFactory
 
-__all__ = [  # the policies and the decorator live in kwplug._hookinfo; this is their face
+__all__ = [  # the policies and the decorator live in kwplug._contracts.hookinfo; this is their face
     "ADDITIVE",
     "EVERY",
     "HOOKS",

@@ -11,15 +11,14 @@ launchers do), so the function may be defined in the notebook or be a closure.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import socket
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
 
+from kwplug.utils.environment import patch_environment
 from kwplug.validators import is_int
 
 __all__ = ["debug_launcher", "notebook_launcher"]
@@ -118,7 +117,7 @@ def notebook_launcher(
     if rdzv_backend == "static":
         configs["rank"] = node_rank
         rdzv_endpoint = rdzv_endpoint or f"{master_addr}:{use_port}"
-    with _environment("ACCELERATE_MIXED_PRECISION", precision):  # inherited by the forks
+    with patch_environment(ACCELERATE_MIXED_PRECISION=precision):  # inherited by the forks
         return _launch(
             function,
             args,
@@ -165,7 +164,7 @@ def debug_launcher(
             "debug_launcher: this process already has a torch.distributed process group; "
             "create the Accelerator (or PartialState) only inside the launched function"
         )
-    with _environment("ACCELERATE_USE_CPU", "1"):  # inherited by the forked workers
+    with patch_environment(ACCELERATE_USE_CPU="1"):  # inherited by the forked workers
         return _launch(
             function,
             args,
@@ -180,20 +179,6 @@ def debug_launcher(
             monitor_interval=0.1,
             log_line_prefix_template=None,
         )
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: str) -> Iterator[None]:
-    # Set for the forked workers, restored afterwards (the caller's notebook keeps its own).
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
 
 
 def _launch(function: Callable[..., Any], args: tuple[Any, ...], **config: Any) -> dict[int, Any]:

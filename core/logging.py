@@ -16,7 +16,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from kwplug._logging import RankAdapter
+from kwplug._process.rank_logging import RankAdapter
 
 __all__ = [
     "MultiProcessAdapter",
@@ -47,8 +47,8 @@ class MultiProcessAdapter(RankAdapter):
 
     Every emitted message is prefixed with ``[RANK <process_index>] ``. The record's
     ``stacklevel`` defaults to 2, so ``%(funcName)s`` and ``%(lineno)d`` name the caller.
-    (The behaviour is :class:`kwplug._logging.RankAdapter`'s, which kwplug's own modules log
-    through.)
+    (The behaviour is :class:`kwplug._process.rank_logging.RankAdapter`'s, which kwplug's own
+    modules log through.)
     """
 
     def _turns(self) -> tuple[int, int, Callable[[], None]]:

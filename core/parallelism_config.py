@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kwplug._lazy import exporter
+from kwplug._contracts.lazy import exporter
 
 if TYPE_CHECKING:
     from kwplug.plugins.parallelism import ParallelismConfig as ParallelismConfig

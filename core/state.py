@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kwplug._environment import ProcessInfo, end_process_group, select_device
+from kwplug._accelerate.state_gradient import GradientState
+from kwplug._process.environment import ProcessInfo, end_process_group, select_device
 from kwplug._runtime import (
     Ranks,
     assign_distributed_type,
@@ -39,7 +40,6 @@ from kwplug._runtime import (
     split_between_processes,
     wait_for_everyone,
 )
-from kwplug._state_gradient import GradientState
 from kwplug.precision import MIXED_PRECISION
 from kwplug.utils.dataclasses import DistributedType, default_distributed_type
 
@@ -202,7 +202,7 @@ class PartialState(Ranks):
 
     def destroy_process_group(self, group: Any = None) -> None:
         """Destroy ``group``, or the default process group when ``None`` (after collecting
-        garbage, see :func:`kwplug._environment.end_process_group`); nothing when none
+        garbage, see :func:`kwplug._process.environment.end_process_group`); nothing when none
         exists."""
         if group is None:
             end_process_group()

@@ -23,8 +23,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from kwplug._additive import merge
-from kwplug._lazy import exporter
+from kwplug._contracts.additive import merge
+from kwplug._contracts.lazy import exporter
 from kwplug.errors import TrackerConfigWarning, user_stacklevel
 
 __all__ = [
@@ -291,10 +291,10 @@ _TRACKER_CLASSES: dict[str, str] = {
     "MLflowTracker": "kwplug.plugins.mlflow_tracker",
     "TensorBoardTracker": "kwplug.plugins.trackers",
     "WandBTracker": "kwplug.plugins.wandb_tracker",
-    "ClearMLTracker": "kwplug._tracker_placeholders",
-    "DVCLiveTracker": "kwplug._tracker_placeholders",
-    "SwanLabTracker": "kwplug._tracker_placeholders",
-    "TrackioTracker": "kwplug._tracker_placeholders",
+    "ClearMLTracker": "kwplug._accelerate.tracker_placeholders",
+    "DVCLiveTracker": "kwplug._accelerate.tracker_placeholders",
+    "SwanLabTracker": "kwplug._accelerate.tracker_placeholders",
+    "TrackioTracker": "kwplug._accelerate.tracker_placeholders",
 }
 #: The ``LOGGER_TYPE_TO_CLASS`` entries of Accelerate's built-ins kwplug has as plugins.
 _BUILTIN_LOGGERS = {

@@ -11,9 +11,8 @@ imported.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from kwplug._lazy import exporter
+import importlib
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.plugins.aim_tracker import AimTracker as AimTracker
@@ -59,4 +58,22 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-__getattr__, __dir__ = exporter(globals(), _EXPORTS)
+# This package is held to a third-party plugin's rules (public kwplug names only), so its
+# PEP 562 look-up is its own rather than the core's private ``kwplug._contracts.lazy``.
+def __getattr__(name: str) -> Any:
+    """Import the module defining ``name`` (from :data:`_EXPORTS`) on first use and keep the
+    value here, so that later look-ups skip this function.
+
+    Raises:
+        AttributeError: ``name`` is not one of this package's exports.
+    """
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The exported names and the dunder names (as ``kwplug``'s and ``kwplug.utils``' own)."""
+    return sorted({*__all__, *(n for n in globals() if n.startswith("__"))})

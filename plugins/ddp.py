@@ -30,8 +30,10 @@ class DDPCommunicationHookType(str, enum.Enum):
 
     Members: ``NO = "no"`` (DDP's own all-reduce, no hook), ``FP16 = "fp16"`` and
     ``BF16 = "bf16"`` (all-reduce in half precision), ``POWER_SGD = "power_sgd"`` (torch's
-    per-tensor PowerSGD) and ``BATCHED_POWER_SGD = "batched_power_sgd"`` (PowerSGD over the
-    whole bucket). Being a ``str`` enum, each member compares equal to its value.
+    per-tensor PowerSGD), ``BATCHED_POWER_SGD = "batched_power_sgd"`` (PowerSGD over the
+    whole bucket) and ``POWER_SGD_INPLACE = "power_sgd_inplace"`` (kwplug's per-tensor
+    PowerSGD: two collectives per bucket, in-place error feedback). Being a ``str`` enum, each
+    member compares equal to its value.
     """
 
     NO = "no"
@@ -39,6 +41,7 @@ class DDPCommunicationHookType(str, enum.Enum):
     BF16 = "bf16"
     POWER_SGD = "power_sgd"
     BATCHED_POWER_SGD = "batched_power_sgd"
+    POWER_SGD_INPLACE = "power_sgd_inplace"
 
     def __str__(self) -> str:
         return self.value

@@ -1,6 +1,6 @@
 """``python *args`` as a new process for tests, started in a fraction of a second.
 
-The process is forked from the server that imported torch once (``kwplug._forked``) and then
+The process is forked from the server that imported torch once (``kwplug._process.forked``) and then
 given the environment, import path, ``sys.argv``, working folder, exit handlers and exit
 status a new interpreter would have; kwplug and everything but torch is imported afresh. When
 the environment changes what an interpreter reads only at start-up, a real interpreter runs.
@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from kwplug import _forked
+from kwplug._process import forked as _forked
 
 
 def python(

@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from kwplug import _forked
+from kwplug._process import forked as _forked
 from kwplug.testing.distributed import child_environment, free_port
 
 

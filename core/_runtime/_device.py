@@ -1,5 +1,5 @@
 """Which device this process trains on: the plugins' ``select_device`` hook, else the built-in
-choice (:func:`kwplug._environment.select_device`), for an ``Accelerator`` and for
+choice (:func:`kwplug._process.environment.select_device`), for an ``Accelerator`` and for
 :class:`kwplug.state.PartialState` alike."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from kwplug._environment import ProcessInfo, select_device
+from kwplug._process.environment import ProcessInfo, select_device
 from kwplug.hookspecs import DeviceChoice
 from kwplug.utils.dataclasses import DistributedType
 from kwplug.utils.environment import parse_flag_from_env

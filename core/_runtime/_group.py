@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from kwplug._environment import ProcessInfo, end_process_group
+from kwplug._process.environment import ProcessInfo, end_process_group
 
 if TYPE_CHECKING:
     from kwplug._plugins import KwplugPluginManager

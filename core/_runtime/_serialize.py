@@ -12,7 +12,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from kwplug._umask import follow_umask
+from kwplug._process.umask import follow_umask
 
 logger = logging.getLogger("kwplug.accelerator._saving")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from kwplug._lazy import BUILTIN_HANDLERS
+from kwplug._contracts.lazy import BUILTIN_HANDLERS
 from kwplug.accelerator._facade import Accelerator
 from kwplug.precision import MIXED_PRECISION
 

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 import torch
 
-from kwplug._environment import end_process_group
 from kwplug._plugins import Answer, KwplugPluginManager
+from kwplug._process.environment import end_process_group
 from kwplug.accelerator import _metrics, _ops
 from kwplug.accelerator._agreement import LiveAgreement, check_ranks_agree
 from kwplug.accelerator._api_prepare import _PrepareAPI
@@ -24,6 +24,7 @@ from kwplug.accelerator._api_training import _TrainingAPI
 from kwplug.accelerator._compile_keywords import with_compile_handler
 from kwplug.accelerator._gradient_state import GradientState
 from kwplug.accelerator._keywords import check_bool
+from kwplug.accelerator._launched import launched_handlers
 from kwplug.accelerator._options import mixed_precision_from_env, resolve_options
 from kwplug.accelerator._prepare import _Prepared
 from kwplug.accelerator._setup import _Setup, resolve
@@ -86,10 +87,15 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
             ``dynamo_backend``: ``ValueError``).
         fsdp_plugin: Accelerate's keyword for the FSDP2 handler
             (``kwplug.FullyShardedDataParallelPlugin``, the built-in ``fsdp`` plugin); it is
-            one more kwargs handler, answering before ``kwargs_handlers``.
+            one more kwargs handler, answering before ``kwargs_handlers``. Default ``None``:
+            the plugin's ``from_launcher()``, a plugin built from the ``FSDP_*`` variables
+            when ``ACCELERATE_USE_FSDP`` is ``"true"`` (``accelerate``/``kwplug launch
+            --use_fsdp``, a config file's ``distributed_type: FSDP``), as Accelerate.
         parallelism_config: Accelerate's keyword for the device-mesh handler
             (``kwplug.ParallelismConfig``, the built-in ``parallelism`` plugin); answers before
-            ``fsdp_plugin``. Its mesh is :attr:`torch_device_mesh`.
+            ``fsdp_plugin``. Its mesh is :attr:`torch_device_mesh`. Default ``None``: built
+            from the ``PARALLELISM_CONFIG_*`` variables when
+            ``ACCELERATE_USE_PARALLELISM_CONFIG`` is ``"true"``, as Accelerate.
 
     The rest of the methods come from the base classes, one concern each: ``_PrepareAPI``
     (``prepare``, ``prepare_model``, ``prepare_optimizer``, ``prepare_data_loader``,
@@ -174,11 +180,17 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
         kwargs_handlers = with_compile_handler(kwargs_handlers, dynamo_backend, dynamo_plugin)
         # Accelerate's plugin keywords are handlers like any other; the mesh's comes first so
         # that tensor parallelism is applied before the data-parallel wrapper.
-        extra = _plugin_keywords(parallelism_config=parallelism_config, fsdp_plugin=fsdp_plugin)
+        # A keyword left None takes what `accelerate launch`'s variables ask for (the plugin's
+        # `from_launcher`), as Accelerate's Accelerator builds its plugins from them.
+        keywords = launched_handlers(
+            {"parallelism_config": parallelism_config, "fsdp_plugin": fsdp_plugin},
+            kwargs_handlers,
+        )
+        extra = _plugin_keywords(**keywords)
         handlers = [*extra, *(kwargs_handlers or ())] if extra else kwargs_handlers
         # Resolved once; the public attributes below are read-only by convention.
         self._setup: _Setup = resolve(mixed_precision_from_env(mixed_precision), cpu, handlers)
-        self.parallelism_config: KwargsHandler | None = parallelism_config
+        self.parallelism_config: KwargsHandler | None = keywords["parallelism_config"]
         #: The ``device_mesh`` hook's ``torch.distributed.device_mesh.DeviceMesh``, or ``None``.
         self.torch_device_mesh: Any = self._setup.device_mesh
         setup = self._setup

@@ -19,8 +19,8 @@ from typing import Any, cast
 
 import torch
 
-from kwplug._logging import rank_logger
 from kwplug._plugins import KwplugPluginManager
+from kwplug._process.rank_logging import rank_logger
 from kwplug._runtime import dedupe_shared, storage_key, write
 from kwplug._runtime import unwrap as unwrap  # unwrap_model's, shared with kwplug.utils
 from kwplug.checkpoint import full_model_state, is_sharded

@@ -15,7 +15,6 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from kwplug._environment import ProcessInfo
 from kwplug._plugins import (
     Answer,
     KwplugPluginManager,
@@ -23,6 +22,7 @@ from kwplug._plugins import (
     manager_for,
     require_handler_list,
 )
+from kwplug._process.environment import ProcessInfo
 from kwplug._runtime import (
     Device,
     choose_device,

@@ -30,7 +30,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from kwplug._umask import follow_umask
+from kwplug._process.umask import follow_umask
 from kwplug.checkpoint import _checksum as checksum
 
 META_KEY = "kwplug"

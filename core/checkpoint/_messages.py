@@ -1,5 +1,6 @@
-"""Accelerate's log lines for ``save_state``/``load_state``, through :mod:`kwplug._logging`
-(the adapter under :mod:`kwplug.logging`: rank 0 only, ``[RANK 0] `` prefix).
+"""Accelerate's log lines for ``save_state``/``load_state``, through
+:mod:`kwplug._process.rank_logging` (the adapter under :mod:`kwplug.logging`: rank 0 only,
+``[RANK 0] `` prefix).
 
 Accelerate's ``accelerate.accelerator`` and ``accelerate.checkpointing`` log, on the main
 process (``get_logger``'s ``main_process_only``), at these levels and in these words; kwplug
@@ -27,7 +28,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from kwplug._logging import rank_logger
+from kwplug._process.rank_logging import rank_logger
 from kwplug.scheduler import AcceleratedScheduler
 
 if TYPE_CHECKING:

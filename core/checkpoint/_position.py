@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kwplug._environment import ProcessInfo
+from kwplug._process.environment import ProcessInfo
 
 # The standard library's logger, not kwplug.logging's rank-aware adapter: that module is
 # Accelerate's ``accelerate.logging``, a layer above the checkpoint package

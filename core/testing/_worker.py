@@ -10,7 +10,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from kwplug._environment import end_process_group
+from kwplug._process.environment import end_process_group
 
 
 def main(folder: Path) -> int:

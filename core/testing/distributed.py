@@ -2,7 +2,7 @@
 
 This is PyTorch's own launcher -- its elastic agent, which ``python -m torch.distributed.run``
 runs, with a static rendezvous on a free local port -- started in the calling process with the
-ranks forked from a server that imported torch once (``kwplug._forked``), or the
+ranks forked from a server that imported torch once (``kwplug._process.forked``), or the
 ``torchrun`` command line when torchrun options are given. kwplug adds only the plumbing a test
 needs: the function is named by its import path, its arguments and every rank's return value
 travel as pickles through a temporary folder, and a failure or a timeout raises with what each
@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kwplug import _forked
+from kwplug._process import forked as _forked
 from kwplug.errors import DistributedRunError
 from kwplug.testing.sandbox import active_environment
 from kwplug.validators import is_int
@@ -152,7 +152,7 @@ def run_torchrun(
     process, forked from a server that imported torch once: a job starts in a fraction of a
     second instead of the seconds three fresh interpreters spend importing torch. Each rank's
     environment, import path, ``sys.argv``, working folder, exit handlers and exit status are
-    those of the process torchrun would have started (``kwplug._forked``). With
+    those of the process torchrun would have started (``kwplug._process.forked``). With
     ``torchrun_args`` (restarts, another rendezvous), or an ``env`` that changes what an
     interpreter reads only when it starts (``PYTHONHASHSEED``, ``PYTHONWARNINGS``,
     ``OMP_NUM_THREADS``...), the ``python -m torch.distributed.run`` command line runs

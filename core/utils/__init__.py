@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kwplug._lazy import BUILTIN_HANDLERS, exporter
+from kwplug._contracts.lazy import BUILTIN_HANDLERS, exporter
 
 if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.handler import KwargsHandler as KwargsHandler

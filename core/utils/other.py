@@ -15,7 +15,7 @@ from typing import Any, BinaryIO, cast
 
 import torch
 
-from kwplug._environment import ProcessInfo
+from kwplug._process.environment import ProcessInfo
 from kwplug._runtime import write
 
 __all__ = [
@@ -128,7 +128,7 @@ def check_os_kernel() -> None:
     kernel older than 5.5.0, which can make processes hang (Accelerate's check; issue
     huggingface/accelerate#1929). Nothing on other systems or an unparsable release
     (``platform.uname()``)."""
-    from kwplug._logging import rank_logger
+    from kwplug._process.rank_logging import rank_logger
 
     info = platform.uname()
     if info.system != "Linux":

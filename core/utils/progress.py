@@ -35,7 +35,7 @@ def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
         )
     disable = kwargs.pop("disable", False)
     if main_process_only and not disable:
-        from kwplug._environment import ProcessInfo
+        from kwplug._process.environment import ProcessInfo
 
         disable = ProcessInfo.current().local_rank != 0
     return _tqdm(*args, disable=disable, **kwargs)

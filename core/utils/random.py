@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kwplug._environment import ProcessInfo
+from kwplug._process.environment import ProcessInfo
 from kwplug.validators import is_int
 
 __all__ = ["set_seed", "synchronize_rng_state", "synchronize_rng_states"]

@@ -3,9 +3,10 @@
 This package is itself a plugin object (entry point ``ddp_comm_hooks`` of the
 ``kwplug.handlers`` group): its module-level :func:`comm_hooks` implementation gives the named
 hooks of :data:`BUILTIN_HOOKS` (``"fp16"``, ``"bf16"``, ``"power_sgd"``,
-``"batched_power_sgd"``; source ``"kwplug"``) once per Accelerator, whatever handlers are
-registered. :data:`BUILTIN_HOOKS` is the one table of built-in hooks: the names, the
-``comm_wrapper`` factories and the layout-dependent hooks are all derived from it.
+``"batched_power_sgd"``, ``"power_sgd_inplace"``; source ``"kwplug"``) once per Accelerator,
+whatever handlers are registered. :data:`BUILTIN_HOOKS` is the one table of built-in hooks:
+the names, the ``comm_wrapper`` factories and the layout-dependent hooks are all derived from
+it.
 
 Everything a hook's state needs beyond the hook function lives here too, declared on its
 :class:`~kwplug.CommHook` record (built-in and third-party alike): :func:`compose` builds the
@@ -20,7 +21,8 @@ where the future's tensor is the *averaged* gradient bucket (same shape as
 
 Modules (private; import the names from here): ``_table`` (the table), ``_allreduce`` (plain
 and low-precision all-reduce, compression wrappers), ``_power_sgd`` (PowerSGD state, options
-and the batched hook), ``_power_sgd_state`` (PowerSGD's save, restore and resize rules),
+and the batched hook), ``_power_sgd_inplace`` (kwplug's per-tensor PowerSGD),
+``_power_sgd_state`` (PowerSGD's save, restore and resize rules),
 ``_compose`` (the registered callable), ``_checkpoint`` (a hook's state as checkpoints see it),
 ``_canonical`` (the layout-independent bucket view that makes a resumed PowerSGD run exact),
 ``_adapters`` (gloo ordering of chained collectives, making any callable acceptable to DDP),
@@ -58,6 +60,7 @@ from kwplug.plugins.ddp_comm_hooks._power_sgd import (
     make_power_sgd_state,
     power_sgd_state_buckets,
 )
+from kwplug.plugins.ddp_comm_hooks._power_sgd_inplace import power_sgd_inplace_hook
 from kwplug.plugins.ddp_comm_hooks._power_sgd_state import (
     POWER_SGD_KEPT,
     POWER_SGD_RESIZE_NOTE,
@@ -113,6 +116,7 @@ __all__ = [
     "make_power_sgd_state",
     "mean_allreduce_hook",
     "ordered_hook",
+    "power_sgd_inplace_hook",
     "power_sgd_state_buckets",
     "power_sgd_state_dict",
     "resize_power_sgd_state",

@@ -20,6 +20,12 @@ from kwplug.plugins.ddp_comm_hooks._common import GradBucket, describe, future_t
 #: Key of a :class:`CanonicalBucket`: the sorted canonical indices of its parameters.
 BucketKey = tuple[int, ...]
 
+#: Attribute of a hook function that works only through ``bucket.gradients()``, in place,
+#: and keeps no state laid out like ``bucket.buffer()`` (kwplug's ``power_sgd_inplace_hook``):
+#: :func:`canonical_bucket_hook` then hands it the real buffer with the gradients as views
+#: into it, in canonical order, instead of gathering a canonical copy and scattering it back.
+IN_PLACE_VIEWS = "_kwplug_in_place_views"
+
 
 class CanonicalBucket:
     """A layout-independent stand-in for a ``torch.distributed.GradBucket``.
@@ -38,7 +44,7 @@ class CanonicalBucket:
             buffer's length).
     """
 
-    __slots__ = ("_buffer", "_is_last", "_key", "_parameters", "_shapes")
+    __slots__ = ("_buffer", "_is_last", "_key", "_parameters", "_shapes", "_views")
 
     def __init__(
         self,
@@ -47,12 +53,15 @@ class CanonicalBucket:
         is_last: bool,
         parameters: list[torch.Tensor],
         shapes: list[torch.Size],
+        views: list[torch.Tensor] | None = None,
     ) -> None:
         self._buffer = buffer
         self._key = key
         self._is_last = is_last
         self._parameters = parameters
         self._shapes = shapes
+        # For an IN_PLACE_VIEWS hook: the gradients, views into DDP's own buffer.
+        self._views = views
 
     def buffer(self) -> torch.Tensor:
         """The flat gradient buffer, in canonical order (or what :meth:`set_buffer` set)."""
@@ -85,6 +94,8 @@ class CanonicalBucket:
 
     def gradients(self) -> list[torch.Tensor]:
         """Per-parameter gradients: views into :meth:`buffer`, in canonical order."""
+        if self._views is not None:
+            return list(self._views)
         views = []
         offset = 0
         for shape in self._shapes:
@@ -242,6 +253,7 @@ def canonical_bucket_hook(
     if not callable(hook):
         raise TypeError(f"canonical_bucket_hook wraps a callable hook(state, bucket), got {hook!r}")
     order = {id(p): i for i, p in enumerate(param_order)}
+    in_place = bool(getattr(hook, IN_PLACE_VIEWS, False))
     plans: dict[tuple[Any, ...], _Plan] = {}
     # Per (plan, group): the canonical buffer a copied group is gathered into, reused every
     # step (a fresh bucket-sized tensor per step costs page faults). DDP waits for every
@@ -260,6 +272,8 @@ def canonical_bucket_hook(
                 scratch.clear()
             plan = plans[signature] = _make_plan(bucket, order, known)
         last = bucket.is_last()
+        if in_place and plan.dense and len(plan.groups) == 1:
+            return _in_place(hook, state, bucket, plan.groups[0], last)
         views: list[torch.Tensor] = []
         futures: list[torch.futures.Future[Any]] = []
         for n, group in enumerate(plan.groups):
@@ -317,6 +331,33 @@ def canonical_bucket_hook(
     canonical_hook.__qualname__ = describe(hook)
     canonical_hook.__doc__ = f"{describe(hook)} on canonical bucket views (kwplug)."
     return canonical_hook
+
+
+def _in_place(
+    hook: HookFn, state: Any, bucket: GradBucket, group: _Group, last: bool
+) -> torch.futures.Future[torch.Tensor]:
+    # One canonical bucket covering the whole real one: the real buffer, the gradients as
+    # views into it in canonical order; the hook updates them in place.
+    buffer = bucket.buffer()
+    params = bucket.parameters()
+    views = [
+        buffer.narrow(0, offset, numel).view(shape)
+        for offset, numel, shape in zip(group.offsets, group.numels, group.shapes, strict=True)
+    ]
+    proxy = CanonicalBucket(
+        buffer,
+        group.key,
+        last,
+        [params[pos] for pos in group.positions],
+        list(group.shapes),
+        views,
+    )
+
+    def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        future_tensor(fut)  # raises the hook's error, if any
+        return buffer
+
+    return hook(state, cast("GradBucket", proxy)).then(done)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

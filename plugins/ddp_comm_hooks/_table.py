@@ -32,6 +32,7 @@ from kwplug.plugins.ddp_comm_hooks._power_sgd import (
     make_power_sgd_state,
     power_sgd_state_buckets,
 )
+from kwplug.plugins.ddp_comm_hooks._power_sgd_inplace import power_sgd_inplace_hook
 from kwplug.plugins.ddp_comm_hooks._power_sgd_state import (
     POWER_SGD_RESIZE_NOTE,
     load_power_sgd_state,
@@ -116,6 +117,13 @@ BUILTIN_HOOKS: tuple[BuiltinHook, ...] = (
         make_state=make_power_sgd_state,
         rules=POWER_SGD_RULES,
     ),
+    BuiltinHook(
+        "power_sgd_inplace",
+        power_sgd_inplace_hook,
+        options=POWER_SGD_SCHEMA,
+        make_state=make_power_sgd_state,
+        rules=POWER_SGD_RULES,
+    ),
 )
 
 #: The rows of :data:`BUILTIN_HOOKS` by name.
@@ -165,8 +173,9 @@ def builtin_comm_hooks() -> dict[str, CommHook]:
     """kwplug's named hooks as :class:`~kwplug.CommHook` records, by name (a new dict each call).
 
     One per row of :data:`BUILTIN_HOOKS`: ``"fp16"`` and ``"bf16"`` (state: the process
-    group), ``"power_sgd"`` (torch's per-tensor ``powerSGD_hook``) and ``"batched_power_sgd"``
-    (state from :func:`~kwplug.plugins.ddp_comm_hooks.make_power_sgd_state`).
+    group), ``"power_sgd"`` (torch's per-tensor ``powerSGD_hook``), ``"batched_power_sgd"``
+    and ``"power_sgd_inplace"`` (kwplug's own; state from
+    :func:`~kwplug.plugins.ddp_comm_hooks.make_power_sgd_state`).
     """
     return dict(_builtin_records())
 

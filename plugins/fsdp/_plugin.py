@@ -4,6 +4,7 @@ kwplug handler that shards prepared models with torch's ``fully_shard``."""
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -182,6 +183,22 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
             self.transformer_cls_names_to_wrap, policy
         )
         self.min_num_params = _fields.min_num_params(self.min_num_params, policy)
+
+    @classmethod
+    def from_launcher(cls) -> FullyShardedDataParallelPlugin | None:
+        """The plugin ``accelerate launch --use_fsdp`` (or a config file's
+        ``distributed_type: FSDP``; ``kwplug launch`` alike) asks for: ``cls()`` -- every field
+        read from its ``FSDP_*`` variable -- when ``ACCELERATE_USE_FSDP`` is ``"true"`` (any
+        case; Accelerate's ``Accelerator`` rule), else ``None``. ``Accelerator()`` calls it
+        when no ``fsdp_plugin`` is passed.
+
+        Raises:
+            ValueError, TypeError: a variable holds what the plugin does not take (as at
+                construction; e.g. ``FSDP_VERSION=1``).
+        """
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+            return None
+        return cls()
 
     def to_kwargs(self) -> dict[str, Any]:
         """The fields that differ from a default plugin's (Accelerate's ``KwargsHandler``

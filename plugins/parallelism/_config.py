@@ -60,9 +60,11 @@ class ParallelismConfig(KwargsHandler):
             Accelerate). ``dp_shard_size > 1`` needs ``fsdp_plugin``; ``tp_size > 1`` with
             ``dp_replicate_size > 1`` needs ``dp_shard_size > 1`` (no DDP + TP, as Accelerate).
         cp_size: ``1`` only: context parallelism shards attention, which has no CPU sharding
-            strategy in torch; ``cp_backend``: ``None`` or ``"torch"``.
-        sp_size: ``1`` only (DeepSpeed's sequence parallelism); ``sp_backend``: ``None`` or
-            ``"deepspeed"``.
+            strategy in torch; ``cp_backend``: ``"torch"`` (``None``:
+            ``PARALLELISM_CONFIG_CP_BACKEND``, default ``"torch"``).
+        sp_size: ``1`` only (DeepSpeed's sequence parallelism); ``sp_backend``:
+            ``"deepspeed"`` (``None``: ``PARALLELISM_CONFIG_SP_BACKEND``, default
+            ``"deepspeed"``).
         tp_handler: the tensor-parallel plan (kwplug): a mapping of module path (``*``
             matches one level) to a torch ``ParallelStyle`` or ``"colwise"``/``"rowwise"``/
             ``"colwise_rep"``/``"rowwise_rep"``/``"sequence_parallel"``; ``None``: the model's
@@ -95,6 +97,9 @@ class ParallelismConfig(KwargsHandler):
     def __attrs_post_init__(self) -> None:
         for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
             setattr(self, name, _size(name, getattr(self, name)))
+        for name in ("cp_backend", "sp_backend"):  # Accelerate's variables, as the sizes'
+            if getattr(self, name) is None:
+                setattr(self, name, os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}"))
         if (
             self.cp_size != 1
             or self.cp_handler is not None
@@ -119,6 +124,22 @@ class ParallelismConfig(KwargsHandler):
         self.sp_backend = self.sp_backend or "deepspeed"
         if self.tp_handler is not None:
             self.tp_handler = _tp.check_plan(self.tp_handler, "ParallelismConfig.tp_handler")
+
+    @classmethod
+    def from_launcher(cls) -> ParallelismConfig | None:
+        """The configuration ``accelerate launch --use_parallelism_config`` (or a config file's
+        ``parallelism_config``; ``kwplug launch`` alike) asks for: ``cls()`` -- every size read
+        from its ``PARALLELISM_CONFIG_*`` variable -- when ``ACCELERATE_USE_PARALLELISM_CONFIG``
+        is ``"true"`` (any case; Accelerate's ``Accelerator`` rule), else ``None``.
+        ``Accelerator()`` calls it when no ``parallelism_config`` is passed.
+
+        Raises:
+            ValueError, TypeError: a variable holds what the class does not take (as at
+                construction; e.g. ``PARALLELISM_CONFIG_CP_SIZE=2``).
+        """
+        if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+            return None
+        return cls()
 
     # -- Accelerate's derived names and sizes -------------------------------------------
 

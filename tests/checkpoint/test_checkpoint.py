@@ -66,8 +66,16 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path: Path, precision: str
         ["--comm-hook", "power_sgd"],
         ["--comm-hook", "batched_power_sgd"],
         ["--comm-hook", "power_sgd", "--comm-wrapper", "fp16", "--gradient-as-bucket-view"],
+        ["--comm-hook", "power_sgd_inplace"],
+        ["--comm-hook", "power_sgd_inplace", "--gradient-as-bucket-view"],
     ],
-    ids=["power_sgd", "batched_power_sgd", "power_sgd-fp16-bucket_view"],
+    ids=[
+        "power_sgd",
+        "batched_power_sgd",
+        "power_sgd-fp16-bucket_view",
+        "power_sgd_inplace",
+        "power_sgd_inplace-bucket_view",
+    ],
 )
 def test_ddp_power_sgd_resume_is_bitwise_exact(tmp_path: Path, options: list[str]) -> None:
     # 2 processes, PowerSGD compressing from step 2 on. The resumed DDP runs its first step

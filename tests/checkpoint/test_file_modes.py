@@ -14,7 +14,7 @@ import torch
 
 import kwplug
 from kwplug import checkpoint
-from kwplug._umask import current_umask, file_mode
+from kwplug._process.umask import current_umask, file_mode
 
 
 @pytest.fixture(params=[0o022, 0o002, 0o077], ids=["022", "002", "077"])

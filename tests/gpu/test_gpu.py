@@ -38,6 +38,7 @@ HOOKS: dict[str, dict[str, Any]] = {
     "bf16": {},
     "power_sgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2},
     "batched_power_sgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2},
+    "power_sgd_inplace": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2},
     **({"int8": {}, "topk": {"ratio": 0.05}} if compress else {}),
 }
 

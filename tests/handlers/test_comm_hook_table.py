@@ -25,7 +25,11 @@ def test_enum_and_name_lists_derive_from_the_table() -> None:
     assert hooks.BUILTIN_HOOK_NAMES == names == tuple(hooks.builtin_comm_hooks())
     assert tuple(hooks.COMPRESSION_WRAPPERS) == ("fp16", "bf16")
     layout = {row.hook for row in hooks.BUILTIN_HOOKS if row.layout_dependent}
-    assert layout == {powerSGD_hook.powerSGD_hook, hooks.batched_power_sgd_hook}
+    assert layout == {
+        powerSGD_hook.powerSGD_hook,
+        hooks.batched_power_sgd_hook,
+        hooks.power_sgd_inplace_hook,
+    }
     assert layout < hooks.LAYOUT_DEPENDENT_HOOKS
 
 

@@ -53,6 +53,7 @@ def test_enum_members() -> None:
         ("BF16", "bf16"),
         ("POWER_SGD", "power_sgd"),
         ("BATCHED_POWER_SGD", "batched_power_sgd"),
+        ("POWER_SGD_INPLACE", "power_sgd_inplace"),
     ]
     assert H.FP16 == "fp16"
     assert kwplug.DDPCommunicationHookType is H
@@ -299,6 +300,7 @@ def test_comm_hooks_contributed_once_by_the_plugin_module(kwplug_plugins: Plugin
             "bf16": "kwplug",
             "power_sgd": "kwplug",
             "batched_power_sgd": "kwplug",
+            "power_sgd_inplace": "kwplug",
         }
     assert not hasattr(DDPK, "comm_hooks")
     names = [r.name for r in kwplug.discover() if r.loaded]

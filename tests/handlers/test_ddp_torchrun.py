@@ -225,4 +225,5 @@ def test_comm_hooks_mapping_under_torchrun(hook_results: dict[str, Any]) -> None
         "bf16": "kwplug",
         "power_sgd": "kwplug",
         "batched_power_sgd": "kwplug",
+        "power_sgd_inplace": "kwplug",
     }

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kwplug import _forked
+from kwplug._process import forked as _forked
 from kwplug.testing.distributed import (
     DistributedRunError,
     child_environment,
@@ -179,7 +179,7 @@ def _single(
     target: Sequence[str], *, timeout: float, env: Mapping[str, str], cwd: Path
 ) -> subprocess.CompletedProcess[str]:
     """``python script *args`` as one process forked from the server that imported torch
-    (``kwplug._forked``), stdout and stderr together."""
+    (``kwplug._process.forked``), stdout and stderr together."""
     with tempfile.TemporaryDirectory(prefix="parity-") as folder:
         done = _forked.run_single(
             "script",

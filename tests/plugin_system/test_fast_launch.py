@@ -1,4 +1,4 @@
-"""The forked start of torchrun jobs (kwplug._forked) is a faithful stand-in for the
+"""The forked start of torchrun jobs (kwplug._process.forked) is a faithful stand-in for the
 torchrun command line: each rank sees the same environment, arguments, import path, working
 folder and thread count, runs its exit handlers, and the job ends with torchrun's status."""
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from torchrun import torchrun
 
-from kwplug import _forked
+from kwplug._process import forked as _forked
 from kwplug.testing import run_torchrun
 from kwplug.testing.distributed import child_environment
 

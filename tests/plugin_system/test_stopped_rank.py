@@ -1,5 +1,5 @@
 """A rank stopped by ``SIGSTOP`` (a debugger, a frozen container) does not keep a failed job
-of the forked launcher (``kwplug._forked``) waiting once its peer has raised (issue 18)."""
+of the forked launcher (``kwplug._process.forked``) waiting once its peer has raised (issue 18)."""
 
 from __future__ import annotations
 

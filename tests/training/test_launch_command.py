@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kwplug import cli
-from kwplug._launch_config import LaunchConfigError, read_config
+from kwplug._cli.launch_config import LaunchConfigError, read_config
 from kwplug.testing.distributed import child_environment, run_bounded
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "launched_training.py"
@@ -180,7 +180,9 @@ def test_accelerates_other_flags_are_refused_by_name(
     launch = parser._subparsers._group_actions[0].choices["launch"]  # type: ignore[union-attr]
     ours = {o for a in launch._actions for o in a.option_strings}
     refused = [o[0] for o in _accelerate_options().values() if not set(o) & ours]
-    assert {"--use_deepspeed", "--zero_stage", "--tpu", "--fsdp_version"} <= set(refused)
+    assert {"--use_deepspeed", "--zero_stage", "--tpu", "--megatron_lm_tp_degree"} <= set(refused)
+    # FSDP and the device mesh are kwplug launch's (tests/parallel/test_fsdp_launch_env.py).
+    assert not {"--use_fsdp", "--fsdp_version", "--parallelism_config_tp_size"} & set(refused)
     script = tmp_path / "never_run.py"
     script.write_text("raise SystemExit('launched')\n")
     for option in refused:
@@ -203,8 +205,10 @@ def test_config_file_keys_are_checked(tmp_path: Path, monkeypatch: pytest.Monkey
     assert read_config(config(CONFIG))["num_processes"] == 2
     with pytest.raises(LaunchConfigError, match="deepspeed_config.*DeepSpeed"):
         read_config(config(CONFIG + "deepspeed_config:\n  zero_stage: 2\n"))
-    with pytest.raises(LaunchConfigError, match="distributed_type='FSDP'.*fsdp_plugin"):
-        read_config(config(CONFIG.replace("MULTI_CPU", "FSDP")))
+    with pytest.raises(LaunchConfigError, match="distributed_type='MEGATRON_LM'.*Megatron"):
+        read_config(config(CONFIG.replace("MULTI_CPU", "MEGATRON_LM")))
+    fsdp = read_config(config(CONFIG.replace("MULTI_CPU", "FSDP") + "fsdp_config: {version: 2}"))
+    assert fsdp["distributed_type"] == "FSDP" and fsdp["fsdp_version"] == 2
     with pytest.raises(LaunchConfigError, match=r"unknown key\(s\) \['num_gpus'\]"):
         read_config(config(CONFIG + "num_gpus: 2\n"))
     with pytest.raises(LaunchConfigError, match="distributed_type` must be specified"):
@@ -260,7 +264,7 @@ def test_env_prints_what_accelerate_env_prints(tmp_path: Path) -> None:
 
 
 def test_torchrun_command_lines() -> None:
-    from kwplug._launch import torchrun_arguments
+    from kwplug._cli.launch import torchrun_arguments
 
     base = {"training_script": "train.py", "training_script_args": ["--lr", "1"]}
     argv, env = torchrun_arguments({**base, "num_processes": 2, "mixed_precision": "bf16"})

@@ -41,7 +41,7 @@ def test_type_checking_imports_match_the_exports_table(package: str) -> None:
 
 
 def test_the_builtin_handler_names_are_one_list() -> None:
-    from kwplug._lazy import BUILTIN_HANDLERS
+    from kwplug._contracts.lazy import BUILTIN_HANDLERS
 
     plugins = importlib.import_module("kwplug.plugins")
     assert set(BUILTIN_HANDLERS) <= set(plugins._EXPORTS)

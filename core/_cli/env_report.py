@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kwplug._launch_config import LaunchConfigError, default_config_file, load_mapping
+from kwplug._cli.launch_config import LaunchConfigError, default_config_file, load_mapping
 
 __all__ = ["env_report", "format_report"]
 

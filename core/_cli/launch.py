@@ -4,23 +4,26 @@
 The settings reach the script's ``Accelerator`` through the environment variables Accelerate's
 launcher sets and its ``Accelerator`` reads: ``ACCELERATE_MIXED_PRECISION``,
 ``ACCELERATE_USE_CPU``, ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``,
-``ACCELERATE_DYNAMO_BACKEND``; so a script launched by either launcher, or by ``torchrun``
-with those variables, behaves the same. Values come from the command line, else from the
-config file (``--config_file``, else Accelerate's default one when it exists), else
-Accelerate's defaults. An ``accelerate launch`` option kwplug does not carry out is an error
-naming it.
+``ACCELERATE_DYNAMO_BACKEND``, and for ``--use_fsdp``/``--use_parallelism_config`` (or a
+config file's ``distributed_type: FSDP``/``parallelism_config``) ``ACCELERATE_USE_FSDP`` with
+the ``FSDP_*`` variables and ``ACCELERATE_USE_PARALLELISM_CONFIG`` with the
+``PARALLELISM_CONFIG_*`` ones (:mod:`kwplug._cli.launch_sharding`); so a script launched by
+either launcher, or by ``torchrun`` with those variables, behaves the same. Values come from
+the command line, else from the config file (``--config_file``, else Accelerate's default
+one when it exists), else Accelerate's defaults. An ``accelerate launch`` option kwplug does
+not carry out is an error naming it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kwplug._launch_config import LaunchConfigError, default_config_file, read_config
+from kwplug._cli import launch_sharding as _launch_sharding
+from kwplug._cli.launch_config import LaunchConfigError, default_config_file, read_config
+from kwplug.utils.environment import patch_environment
 
 __all__ = ["add_launch_parser", "launch_command", "torchrun_arguments"]
 
@@ -29,15 +32,6 @@ _REFUSED_PREFIXES: tuple[tuple[tuple[str, ...], str], ...] = (
     (
         ("use_deepspeed", "deepspeed", "zero", "zero3", "offload", "gradient_clipping"),
         "kwplug has no DeepSpeed integration",
-    ),
-    (
-        ("use_fsdp", "fsdp"),
-        "build kwplug.FullyShardedDataParallelPlugin(...) in the script (Accelerator("
-        "fsdp_plugin=...))",
-    ),
-    (
-        ("use_parallelism_config", "parallelism_config"),
-        "build kwplug.ParallelismConfig(...) in the script (Accelerator(parallelism_config=...))",
     ),
     (("use_megatron_lm", "megatron_lm"), "kwplug has no Megatron-LM integration"),
     (
@@ -96,6 +90,7 @@ def add_launch_parser(sub: Any) -> argparse.ArgumentParser:
     flag("num_cpu_threads_per_process", type=int, default=None, help="sets OMP_NUM_THREADS")
     flag("gradient_accumulation_steps", type=int, default=None)
     flag("dynamo_backend", default=None, help="torch.compile backend (ACCELERATE_DYNAMO_BACKEND)")
+    _launch_sharding.add_flags(p)  # --use_fsdp, --fsdp_*, --parallelism_config_*
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module")
     flag("no_python", action="store_true", help="run the script without python")
     p.add_argument("training_script", help="the script (or module, or program) to run")
@@ -138,6 +133,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         k: v for k, v in vars(args).items() if v is not None and k not in ("func", "config_file")
     }
     settings = {**config, **given}
+    _launch_sharding.resolve(settings, args)
     settings["cpu"] = bool(args.cpu or config.get("use_cpu", False))
     if settings.get("mixed_precision") is not None:
         settings["mixed_precision"] = str(settings["mixed_precision"]).lower()
@@ -218,22 +214,8 @@ def _environment(settings: Mapping[str, Any]) -> dict[str, str]:
         env["ACCELERATE_DYNAMO_BACKEND"] = str(settings["dynamo_backend"]).upper()
     if settings.get("num_cpu_threads_per_process") is not None:
         env["OMP_NUM_THREADS"] = str(int(settings["num_cpu_threads_per_process"]))
+    env.update(_launch_sharding.environment(settings))  # checked by kwplug's plugins
     return env
-
-
-@contextlib.contextmanager
-def _patched_environment(changes: Mapping[str, str]) -> Iterator[None]:
-    # The workers inherit os.environ; restored so that an in-process call leaves no trace.
-    previous = {key: os.environ.get(key) for key in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def launch_command(args: argparse.Namespace, unknown: Sequence[str] = ()) -> int:
@@ -243,6 +225,7 @@ def launch_command(args: argparse.Namespace, unknown: Sequence[str] = ()) -> int
         check_unknown(unknown)
         if args.cpu and args.multi_gpu:
             raise ValueError("You can only use one of `--cpu` and `--multi_gpu` (as Accelerate)")
+        _launch_sharding.check_flags(args)
         settings = _settings(args)
         argv, env = torchrun_arguments(settings)
     except (ValueError, FileNotFoundError) as exc:
@@ -264,7 +247,7 @@ def _run(argv: list[str], env: Mapping[str, str], quiet: bool) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    with _patched_environment(env):
+    with patch_environment(**env):  # the workers inherit os.environ; restored after
         try:
             run(get_args_parser().parse_args(argv))  # type: ignore[no-untyped-call]
         except ChildFailedError as error:

@@ -1,4 +1,4 @@
-"""Waiting for the jobs of :mod:`kwplug._forked`, and stopping their ranks."""
+"""Waiting for the jobs of :mod:`kwplug._process.forked`, and stopping their ranks."""
 
 from __future__ import annotations
 

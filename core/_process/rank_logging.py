@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from kwplug._environment import ProcessInfo
+from kwplug._process.environment import ProcessInfo
 
 
 def _no_barrier() -> None:

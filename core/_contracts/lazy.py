@@ -1,4 +1,4 @@
-"""Lazy re-exports (PEP 562) shared by ``kwplug``, ``kwplug.utils`` and ``kwplug.plugins``.
+"""Lazy re-exports (PEP 562) shared by ``kwplug``, ``kwplug.utils`` and ``kwplug.tracking``.
 
 Each package lists its public names once, in a table ``name -> module``, and imports a name's
 module only when the name is first used.

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kwplug import _forked_wait as _waiting
+from kwplug._process import forked_wait as _waiting
 
 #: Imported once by the forkserver, so that no rank pays for it again.
 _PRELOAD = ["torch", "torch.distributed"]

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kwplug._cli.launch_sharding import config_settings
+
 __all__ = ["LaunchConfigError", "default_config_file", "load_mapping", "read_config"]
 
 #: The keys kwplug uses, with Accelerate's defaults (``ClusterConfig``).
@@ -33,6 +35,9 @@ USED: Mapping[str, Any] = {
     "same_network": False,  # a static rendezvous reaches MASTER_ADDR either way
     "main_training_function": "main",  # notebook and TPU launches only
     "dynamo_config": {},
+    # distributed_type FSDP's settings and the device mesh's (kwplug._cli.launch_sharding)
+    "fsdp_config": {},
+    "parallelism_config": {},
 }
 
 #: Accelerate's keys kwplug accepts only at their default, each with what to do instead.
@@ -42,10 +47,6 @@ REFUSED: Mapping[str, str] = {
     "enable_cpu_affinity": "kwplug launch sets no CPU affinity",
     "fp8_config": "kwplug has no fp8 training",
     "deepspeed_config": "kwplug has no DeepSpeed integration",
-    "fsdp_config": "build kwplug.FullyShardedDataParallelPlugin(...) in the script and pass it "
-    "as Accelerator(fsdp_plugin=...)",
-    "parallelism_config": "build kwplug.ParallelismConfig(...) in the script and pass it as "
-    "Accelerator(parallelism_config=...)",
     "megatron_lm_config": "kwplug has no Megatron-LM integration",
     "mpirun_config": "kwplug launch runs torch.distributed.run, not mpirun",
     "downcast_bf16": "kwplug has no TPU/XLA support",
@@ -62,7 +63,7 @@ REFUSED: Mapping[str, str] = {
 #: ``distributed_type`` values a torchrun launch serves (``MULTI_CPU`` included: kwplug starts
 #: ``num_processes`` processes where Accelerate would need ``mpirun``).
 LAUNCHABLE = frozenset(
-    {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA"}
+    {"NO", "MULTI_CPU", "FSDP", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA"}
     | {"MULTI_MUSA", "MULTI_HPU", "MULTI_NEURON"}
 )
 _DYNAMO_DEFAULTS: Mapping[str, Any] = {
@@ -159,7 +160,13 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise LaunchConfigError(f"{file}: a `distributed_type` must be specified (as Accelerate)")
     settings = {key: data[key] for key in USED if key in data}
     _check_values(file, settings)
-    return settings
+    try:
+        sharding = config_settings(str(file), data)
+    except ValueError as exc:
+        raise LaunchConfigError(str(exc)) from None
+    settings.pop("fsdp_config", None)
+    settings.pop("parallelism_config", None)
+    return {**settings, **sharding}
 
 
 def _check_values(file: Path, settings: dict[str, Any]) -> None:
@@ -172,7 +179,6 @@ def _check_values(file: Path, settings: dict[str, Any]) -> None:
     kind = str(settings["distributed_type"])
     if kind not in LAUNCHABLE:
         why = {
-            "FSDP": REFUSED["fsdp_config"],
             "DEEPSPEED": REFUSED["deepspeed_config"],
             "MEGATRON_LM": REFUSED["megatron_lm_config"],
         }.get(kind, "kwplug launch starts torch.distributed.run processes only")

@@ -1,0 +1,270 @@
+"""``kwplug launch``'s FSDP and ``ParallelismConfig`` settings: ``accelerate launch``'s
+``--use_fsdp``/``--fsdp_*`` and ``--use_parallelism_config``/``--parallelism_config_*`` flags
+and a config file's ``distributed_type: FSDP``, ``fsdp_config`` and ``parallelism_config``,
+turned into the variables Accelerate's launcher sets (``accelerate/utils/launch.py``'s
+``prepare_multi_gpu_env`` and ``prepare_extend_env_parallelism_config``), which the script's
+``Accelerator()`` reads through the plugins' ``from_launcher()``.
+
+The flags' defaults are Accelerate 1.16's; a setting kwplug's plugins do not take (FSDP1's
+``fsdp_version: 1``, ``parallelism_config_cp_size > 1``...) is refused before any process
+starts, with the plugin's own construction error, naming the flag and the config key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+__all__ = [
+    "FLAGS",
+    "add_flags",
+    "check_environment",
+    "check_flags",
+    "config_settings",
+    "environment",
+    "resolve",
+]
+
+#: Accelerate's ``--fsdp_*`` and ``--parallelism_config_*`` flags with their defaults and types.
+FLAGS: Mapping[str, tuple[Any, Callable[[str], Any]]] = {
+    "fsdp_version": ("1", str),
+    "fsdp_offload_params": ("false", str),
+    "fsdp_min_num_params": (100_000_000, int),
+    "fsdp_sharding_strategy": ("FULL_SHARD", str),
+    "fsdp_reshard_after_forward": ("true", str),
+    "fsdp_auto_wrap_policy": (None, str),
+    "fsdp_transformer_layer_cls_to_wrap": (None, str),
+    "fsdp_backward_prefetch": (None, str),
+    "fsdp_state_dict_type": (None, str),
+    "fsdp_forward_prefetch": ("false", str),
+    "fsdp_use_orig_params": ("true", str),
+    "fsdp_cpu_ram_efficient_loading": ("true", str),
+    "fsdp_sync_module_states": ("true", str),
+    "fsdp_activation_checkpointing": ("false", str),
+    "fsdp_activation_checkpointing_offload": ("false", str),
+    "parallelism_config_dp_replicate_size": (1, int),
+    "parallelism_config_dp_shard_size": (1, int),
+    "parallelism_config_tp_size": (1, int),
+    "parallelism_config_cp_size": (1, int),
+    "parallelism_config_cp_backend": ("torch", str),
+    "parallelism_config_cp_comm_strategy": ("allgather", str),
+    "parallelism_config_sp_size": (1, int),
+    "parallelism_config_sp_backend": ("deepspeed", str),
+    "parallelism_config_sp_seq_length": (None, str),
+    "parallelism_config_sp_seq_length_is_variable": (True, bool),
+    "parallelism_config_sp_attn_implementation": ("sdpa", str),
+}
+#: A config file's ``fsdp_config`` key with no flag (Accelerate reads it if present).
+_CONFIG_ONLY = {"fsdp_ignored_modules": None}
+
+#: The plugin field a refusal names -> the flag (FSDP2 fields; ParallelismConfig's add the
+#: ``parallelism_config_`` prefix).
+_FSDP_FIELD_FLAGS = {
+    "fsdp_version": "fsdp_version",
+    "reshard_after_forward": "fsdp_reshard_after_forward",
+    "backward_prefetch": "fsdp_backward_prefetch",
+    "auto_wrap_policy": "fsdp_auto_wrap_policy",
+    "transformer_cls_names_to_wrap": "fsdp_transformer_layer_cls_to_wrap",
+    "min_num_params": "fsdp_min_num_params",
+    "state_dict_type": "fsdp_state_dict_type",
+    "cpu_offload": "fsdp_offload_params",
+    "activation_checkpointing": "fsdp_activation_checkpointing",
+    "activation_checkpointing_offload": "fsdp_activation_checkpointing_offload",
+    "cpu_ram_efficient_loading": "fsdp_cpu_ram_efficient_loading",
+    "ignored_modules": "fsdp_ignored_modules",
+}
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add ``--use_fsdp``, ``--use_parallelism_config`` and :data:`FLAGS` to ``parser``
+    (``-`` or ``_`` spellings; default ``None``, so that a config file fills what the command
+    line leaves unset and Accelerate's default what both leave)."""
+    for name in ("use_fsdp", "use_parallelism_config"):
+        parser.add_argument(
+            f"--{name}", f"--{name.replace('_', '-')}", action="store_true", default=None,
+            help=f"as accelerate launch (ACCELERATE_{name.upper()})",
+        )  # fmt: skip
+    for name, (default, kind) in FLAGS.items():
+        # Accelerate's types, `type=bool` included (any non-empty string is True).
+        parser.add_argument(
+            f"--{name}", f"--{name.replace('_', '-')}", type=kind, default=None,
+            help=f"as accelerate launch (default {default!r})",
+        )  # fmt: skip
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Accelerate's checks of the command line alone (before the config file is read).
+
+    Raises:
+        ValueError: ``--use_fsdp`` with ``--cpu`` or ``--multi_gpu``;
+            ``--use_parallelism_config`` without ``--use_fsdp`` (Accelerate's messages).
+    """
+    if sum(bool(getattr(args, n, None)) for n in ("multi_gpu", "cpu", "use_fsdp")) > 1:
+        raise ValueError(
+            "You can only use one of `--cpu`, `--multi_gpu`, `--tpu`, `--use_deepspeed`, "
+            "`--use_fsdp` at a time."
+        )
+    if args.use_parallelism_config and not args.use_fsdp:
+        raise ValueError(
+            "You cannot use `--use_parallelism_config` without `--use_fsdp` and "
+            "`--fsdp_version=2`. "
+        )
+
+
+def config_settings(file: str, data: Mapping[str, Any]) -> dict[str, Any]:
+    """A config file's ``fsdp_config`` and ``parallelism_config`` as flat launch settings
+    (``fsdp_config``'s keys get Accelerate's ``fsdp_`` prefix when they lack it), plus
+    ``config_use_fsdp: True`` for ``distributed_type: FSDP`` and
+    ``config_use_parallelism_config: True`` for a non-empty ``parallelism_config``.
+
+    Raises:
+        ValueError: a key that is no ``accelerate launch`` flag (names the file and key), or
+            a section that is not a mapping.
+    """
+    settings: dict[str, Any] = {}
+    if data.get("distributed_type") == "FSDP":
+        settings["config_use_fsdp"] = True
+    if data.get("parallelism_config"):
+        settings["config_use_parallelism_config"] = True
+    for section, prefix in (("fsdp_config", "fsdp_"), ("parallelism_config", "")):
+        values = data.get(section) or {}
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{file}: {section} must be a mapping, got {values!r}")
+        for key, value in values.items():
+            name = key if key.startswith(prefix) else prefix + key
+            if name not in FLAGS and name not in _CONFIG_ONLY:
+                raise ValueError(
+                    f"{file}: {section}.{key} is no accelerate launch setting; the keys are "
+                    f"{sorted(n for n in (*FLAGS, *_CONFIG_ONLY) if n.startswith(section[:4]))}"
+                )
+            settings[name] = value
+    return settings
+
+
+def resolve(settings: dict[str, Any], args: argparse.Namespace) -> None:
+    """Set ``use_fsdp``/``use_parallelism_config`` in ``settings`` as Accelerate decides them:
+    the command line's, else the config file's unless ``--multi_gpu`` (or ``--use_fsdp``, for
+    the parallelism config) was passed."""
+    if not args.use_fsdp and not args.multi_gpu:
+        settings["use_fsdp"] = bool(settings.get("config_use_fsdp"))
+        settings["use_parallelism_config"] = bool(settings.get("config_use_parallelism_config"))
+    settings.pop("config_use_fsdp", None)
+    settings.pop("config_use_parallelism_config", None)
+
+
+def _value(settings: Mapping[str, Any], name: str) -> Any:
+    value = settings.get(name)
+    return FLAGS[name][0] if value is None and name in FLAGS else value
+
+
+def environment(settings: Mapping[str, Any]) -> dict[str, str]:
+    """The variables ``accelerate launch`` sets for these settings (``prepare_multi_gpu_env``'s
+    FSDP part and ``prepare_extend_env_parallelism_config``), checked by building kwplug's
+    plugins from them (:func:`check_environment`).
+
+    Raises:
+        ValueError: ``fsdp_cpu_ram_efficient_loading`` without ``fsdp_sync_module_states``
+            (Accelerate's check); a value kwplug's plugin refuses (see
+            :func:`check_environment`).
+    """
+    v = _value
+    env: dict[str, str] = {}
+    if settings.get("use_fsdp"):
+        env["ACCELERATE_USE_FSDP"] = "true"
+        if v(settings, "fsdp_cpu_ram_efficient_loading") and not v(
+            settings, "fsdp_sync_module_states"
+        ):
+            raise ValueError(
+                "When using `--fsdp_cpu_ram_efficient_loading` set `--fsdp_sync_module_states` "
+                "to `True`"
+            )
+        env["FSDP_VERSION"] = str(v(settings, "fsdp_version"))
+        env["FSDP_SHARDING_STRATEGY"] = str(v(settings, "fsdp_sharding_strategy"))
+        for name in ("reshard_after_forward", "offload_params"):
+            env[f"FSDP_{name.upper()}"] = str(v(settings, f"fsdp_{name}")).lower()
+        env["FSDP_MIN_NUM_PARAMS"] = str(v(settings, "fsdp_min_num_params"))
+        for name, variable in (
+            ("auto_wrap_policy", "AUTO_WRAP_POLICY"),
+            ("transformer_layer_cls_to_wrap", "TRANSFORMER_CLS_TO_WRAP"),
+            ("backward_prefetch", "BACKWARD_PREFETCH"),
+            ("state_dict_type", "STATE_DICT_TYPE"),
+        ):
+            if v(settings, f"fsdp_{name}") is not None:
+                env[f"FSDP_{variable}"] = str(v(settings, f"fsdp_{name}"))
+        for name in (
+            "forward_prefetch", "use_orig_params", "cpu_ram_efficient_loading",
+            "sync_module_states", "activation_checkpointing", "activation_checkpointing_offload",
+        ):  # fmt: skip
+            env[f"FSDP_{name.upper()}"] = str(v(settings, f"fsdp_{name}")).lower()
+        if settings.get("fsdp_ignored_modules") is not None:
+            env["FSDP_IGNORED_MODULES"] = str(settings["fsdp_ignored_modules"])
+    if settings.get("use_parallelism_config"):
+        env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
+        for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
+            size = v(settings, f"parallelism_config_{name}")
+            env[f"PARALLELISM_CONFIG_{name.upper()}"] = str(size)
+        env["PARALLELISM_CONFIG_CP_BACKEND"] = str(v(settings, "parallelism_config_cp_backend"))
+        env["PARALLELISM_CONFIG_SP_SIZE"] = str(v(settings, "parallelism_config_sp_size"))
+        env["PARALLELISM_CONFIG_SP_BACKEND"] = str(v(settings, "parallelism_config_sp_backend"))
+        if int(v(settings, "parallelism_config_cp_size")) > 1:
+            strategy = v(settings, "parallelism_config_cp_comm_strategy")
+            env["PARALLELISM_CONFIG_CP_COMM_STRATEGY"] = str(strategy)
+        if int(v(settings, "parallelism_config_sp_size")) > 1:
+            for name in ("sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"):
+                env[f"PARALLELISM_CONFIG_{name.upper()}"] = str(
+                    v(settings, f"parallelism_config_{name}")
+                )
+    if env:
+        check_environment(env, settings)
+    return env
+
+
+@contextlib.contextmanager
+def _only(env: Mapping[str, str]) -> Iterator[None]:
+    # The plugins read os.environ: these variables, and none of the launcher's own.
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def check_environment(env: Mapping[str, str], settings: Mapping[str, Any]) -> None:
+    """Build kwplug's ``ParallelismConfig`` and ``FullyShardedDataParallelPlugin`` from
+    ``env`` as the script's ``Accelerator()`` will (their ``from_launcher()``), so that what
+    they refuse is refused now, in the launcher, instead of in every process.
+
+    Raises:
+        ValueError: the plugin's error (``TypeError``s too), prefixed with the flag and
+            config key of the field it names and their value.
+    """
+    from kwplug.plugins.fsdp import FullyShardedDataParallelPlugin
+    from kwplug.plugins.parallelism import ParallelismConfig
+
+    with _only(env):
+        try:
+            ParallelismConfig.from_launcher()
+            FullyShardedDataParallelPlugin.from_launcher()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{_named(str(exc), settings)}{exc}") from None
+
+
+def _named(message: str, settings: Mapping[str, Any]) -> str:
+    found = re.search(r"\b(FullyShardedDataParallelPlugin|ParallelismConfig)\.(\w+)", message)
+    if found is None:
+        return ""
+    cls, field = found.groups()
+    if cls == "ParallelismConfig":
+        flag, section = f"parallelism_config_{field}", "parallelism_config"
+    else:
+        flag, section = _FSDP_FIELD_FLAGS.get(field, f"fsdp_{field}"), "fsdp_config"
+    return f"--{flag} (config file: {section}.{flag}) = {_value(settings, flag)!r}: "
