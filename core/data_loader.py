@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import attrs
 import torch
 from torch.utils.data import BatchSampler, DataLoader
 
@@ -50,6 +51,15 @@ def _only_default(where: str, **values: Any) -> None:
     for name, value in values.items():
         if value not in (None, False):
             raise ValueError(f"{where}: kwplug does not support {name} (got {value!r})")
+
+
+def _dropping_last(loader: PreparedDataLoader, drop_last: bool) -> PreparedDataLoader:
+    # Accelerate's `_drop_last`: what its prepare passes as the user's `drop_last`.
+    if not isinstance(drop_last, bool):
+        raise TypeError(f"_drop_last must be a bool, got {type(drop_last).__name__}")
+    if drop_last:
+        loader.sharding = attrs.evolve(loader.sharding, drop_last=True)
+    return loader
 
 
 def _start(loader: PreparedDataLoader, skip_batches: int, iteration: int) -> PreparedDataLoader:
@@ -153,9 +163,12 @@ class DataLoaderShard(PreparedDataLoader, metaclass=_KwplugClass):
     - ``rng_types``: ``None`` or ``["generator"]`` (see :func:`prepare_data_loader`);
     - ``skip_batches``: the first iteration skips that many batches (Accelerate's: every one);
     - ``use_stateful_dataloader``: a torchdata ``StatefulDataLoader``, as Accelerate's;
+    - ``_drop_last``: the loader's last batch counts as dropped (``remainder`` is ``-1``), as
+      Accelerate's (its ``prepare`` passes the user's ``drop_last``; kwplug's loaders also
+      take it from ``drop_last`` in ``kwargs``);
     - ``_non_blocking``: asynchronous host-to-device copies;
     - ``iteration``: the epoch the loader starts at (``set_epoch``);
-    - ``synchronized_generator``, ``_drop_last``, ``torch_device_mesh``: only their defaults.
+    - ``synchronized_generator``, ``torch_device_mesh``: only their defaults.
 
     Raises:
         ValueError: an unsupported argument is set.
@@ -181,7 +194,6 @@ class DataLoaderShard(PreparedDataLoader, metaclass=_KwplugClass):
         _only_default(
             "DataLoaderShard",
             synchronized_generator=synchronized_generator,
-            _drop_last=_drop_last,
             torch_device_mesh=torch_device_mesh,
         )
         config = _config(
@@ -189,7 +201,7 @@ class DataLoaderShard(PreparedDataLoader, metaclass=_KwplugClass):
         )
         where = torch.device("cpu") if device is None else torch.device(device)
         loader = prepare_dataloader(DataLoader(dataset, **kwargs), where, 1, 0, config=config)
-        return _start(loader, skip_batches, iteration)
+        return _start(_dropping_last(loader, _drop_last), skip_batches, iteration)
 
 
 class DataLoaderDispatcher(DispatchedDataLoader, metaclass=_KwplugClass):
@@ -201,8 +213,9 @@ class DataLoaderDispatcher(DispatchedDataLoader, metaclass=_KwplugClass):
     Accelerate's arguments, as kwplug reads them: ``dataset`` and ``kwargs`` (``DataLoader``'s
     arguments); ``split_batches`` (each batch is sliced across processes, else each process
     gets one); ``skip_batches``, ``use_stateful_dataloader``, ``_non_blocking``, ``iteration``
-    as :class:`DataLoaderShard`'s; ``_drop_last``, ``slice_fn``, ``torch_device_mesh`` only
-    their defaults.
+    as :class:`DataLoaderShard`'s; ``_drop_last``: the last global batch is not completed with
+    the first samples (and ``len()`` rounds down), as Accelerate's; ``slice_fn``,
+    ``torch_device_mesh`` only their defaults.
 
     Raises:
         ValueError: an unsupported argument is set.
@@ -227,7 +240,6 @@ class DataLoaderDispatcher(DispatchedDataLoader, metaclass=_KwplugClass):
 
         _only_default(
             "DataLoaderDispatcher",
-            _drop_last=_drop_last,
             slice_fn=slice_fn,
             torch_device_mesh=torch_device_mesh,
         )
@@ -245,7 +257,7 @@ class DataLoaderDispatcher(DispatchedDataLoader, metaclass=_KwplugClass):
             state.process_index,
             config=config,
         )
-        return _start(loader, skip_batches, iteration)
+        return _start(_dropping_last(loader, _drop_last), skip_batches, iteration)
 
 
 # kwplug.data's names (its __all__ is their one list), and Accelerate's own.

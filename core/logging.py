@@ -31,6 +31,8 @@ __all__ = [
 
 #: The library's logger: every ``kwplug.*`` logger inherits its level.
 _LIBRARY = "kwplug"
+#: Accelerate's library logger, which its ``set_verbosity`` sets (and so kwplug's does too).
+_ACCELERATE = "accelerate"
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -91,7 +93,11 @@ def get_verbosity() -> int:
 
 def set_verbosity(verbosity: int | str) -> None:
     """Set the level of kwplug's library logger, which every ``kwplug.*`` logger without a
-    level of its own inherits. The root logger and other libraries' loggers are untouched.
+    level of its own inherits, and of Accelerate's (``logging.getLogger("accelerate")``), which
+    Accelerate's ``set_verbosity`` sets: the ``accelerate.*`` loggers of code written for it
+    (``get_logger("accelerate.<name>")``) and the lines kwplug logs under Accelerate's logger
+    names follow it, as after the rename they would. The root logger and other libraries'
+    loggers are untouched.
 
     Args:
         verbosity: a :mod:`logging` level (``int``, e.g. ``logging.INFO``) or its name, in
@@ -113,6 +119,7 @@ def set_verbosity(verbosity: int | str) -> None:
             )
         verbosity = verbosity.upper()
     logging.getLogger(_LIBRARY).setLevel(verbosity)
+    logging.getLogger(_ACCELERATE).setLevel(verbosity)
 
 
 def set_verbosity_debug() -> None:

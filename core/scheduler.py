@@ -108,10 +108,12 @@ class AcceleratedScheduler:
                 scheduler._step_count += 1
             return
         for opt in self.optimizers:  # a plain loop: no generator per step
-            # A prepared optimizer without a loss scaler never skips a step: no property call.
-            if type(opt) is AcceleratedOptimizer and opt._updates is None:
-                continue
-            if getattr(opt, "step_was_skipped", False):
+            # A prepared optimizer's flag read directly (no property call per step): it is
+            # Accelerate's `_is_overflow`, which code written for Accelerate sets itself.
+            if type(opt) is AcceleratedOptimizer:
+                if opt._is_overflow:
+                    return
+            elif getattr(opt, "step_was_skipped", False):
                 return
         if plan[1] == 1 and not plan[2] and not args and not kwargs:  # the usual case
             total = scheduler.__dict__.get("total_steps")  # OneCycleLR's limit, else None

@@ -124,6 +124,20 @@ def _no_regions(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> N
         )
 
 
+#: A default plugin's fields (:meth:`TorchDynamoPlugin.to_dict`) with no ``ACCELERATE_DYNAMO_*``
+#: variable set: what :meth:`TorchDynamoPlugin.to_kwargs` compares with (the converters'
+#: fallbacks above; tests/training/test_peer_suite_fidelity.py checks them against a plugin
+#: built so, and the result against Accelerate's).
+_UNSET_ENVIRONMENT: dict[str, Any] = {
+    "backend": "no",
+    "mode": "default",
+    "fullgraph": False,
+    "dynamic": None,
+    "options": None,
+    "disable": False,
+}
+
+
 @attrs.define
 class TorchDynamoPlugin(KwargsHandler):
     """``torch.compile`` of every prepared model, Accelerate's ``TorchDynamoPlugin``.
@@ -177,6 +191,16 @@ class TorchDynamoPlugin(KwargsHandler):
         fields = super().to_dict()
         fields["backend"] = self.backend.value.lower()
         return fields
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The fields (as :meth:`to_dict` gives them: the backend as its lower-case name) that
+        differ from a plugin built with no ``ACCELERATE_DYNAMO_*`` variable set, as
+        Accelerate's ``TorchDynamoPlugin.to_kwargs()`` (which builds its default under a
+        cleared environment): a field read from the environment counts as given.
+        ``use_regional_compilation`` is left out, as in Accelerate. Reads, and changes, no
+        environment variable."""
+        fields = self.to_dict()
+        return {k: fields[k] for k, default in _UNSET_ENVIRONMENT.items() if fields[k] != default}
 
     def compile_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``torch.compile``: ``backend`` lower-case, ``mode=None``

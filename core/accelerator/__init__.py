@@ -41,6 +41,8 @@ _REEXPORTS = {
     "DistributedType": "kwplug.utils",
     "DynamoBackend": "kwplug.utils",
     "TorchDynamoPlugin": "kwplug.utils",
+    "AORecipeKwargs": "kwplug.utils",  # importable; building one raises (no FP8)
+    "TERecipeKwargs": "kwplug.utils",
     **dict.fromkeys(BUILTIN_HANDLERS, "kwplug"),
     "FullyShardedDataParallelPlugin": "kwplug",
     "ParallelismConfig": "kwplug",

@@ -12,7 +12,9 @@ from torch.utils.data import DataLoader
 
 from kwplug.accelerator import _keywords
 from kwplug.accelerator._agreement import LiveAgreement
+from kwplug.accelerator._params import ParameterRemap
 from kwplug.accelerator._prepare import _Prepared
+from kwplug.utils.other import extract_model_from_parallel
 
 if TYPE_CHECKING:
     from kwplug.optimizer import AcceleratedOptimizer
@@ -44,6 +46,33 @@ class _PrepareAPI:
     @property
     def _dataloaders(self) -> list[DataLoader[Any]]:
         return self._prepared.dataloaders
+
+    def _get_named_parameters(self, *args: Any, drop_refs: bool = False) -> dict[str, Any]:
+        """Accelerate's internal that code written for it calls around ``prepare``: the
+        parameters of the modules among ``args``, unwrapped (``torch.compile``'s wrapper
+        too), by name, prefixed with the module's index when there are several; with
+        ``drop_refs=True`` a key per parameter instead (its ``data_ptr()``, ``id`` on the meta
+        device), as Accelerate's."""
+        models = [obj for obj in args if isinstance(obj, torch.nn.Module)]
+        named: dict[str, Any] = {}
+        for index, model in enumerate(models):
+            inner = extract_model_from_parallel(model, keep_torch_compile=False)
+            prefix = str(index) if len(models) > 1 else ""
+            for name, param in inner.named_parameters(prefix=prefix):
+                key = id(param) if param.is_meta else param.data_ptr()
+                named[name] = key if drop_refs else param
+        return named
+
+    def _remap_optimizer_parameters(self, old_named_params: dict[str, Any], *args: Any) -> None:
+        """Accelerate's internal: point the optimizers among ``args`` at the parameters of the
+        modules among ``args`` that replaced ``old_named_params`` (from
+        :meth:`_get_named_parameters`) under the same name; nothing when none was replaced
+        (``prepare`` already does this for the optimizers it prepares)."""
+        remap = ParameterRemap()
+        if remap.learn(old_named_params, self._get_named_parameters(*args)):
+            for obj in args:
+                if isinstance(obj, torch.optim.Optimizer):
+                    remap.apply(getattr(obj, "optimizer", obj))
 
     def _agree_on_models(self, count: int) -> None:
         # Preparing a model is a collective (DDP's broadcast): the ranks' settings, as they

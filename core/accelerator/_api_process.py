@@ -14,6 +14,7 @@ import torch
 from kwplug import data
 from kwplug._runtime import Ranks, assigned_distributed_type, split_between_processes
 from kwplug.accelerator import _metrics, _ops, _process
+from kwplug.accelerator._device_map import spread_over_devices
 from kwplug.accelerator._prepare import _Prepared
 from kwplug.accelerator._setup import _Setup
 from kwplug.utils.dataclasses import DataLoaderConfiguration, DistributedType
@@ -200,8 +201,9 @@ class _DataAndProcessAPI(Ranks):
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:
         """True when a submodule of ``model`` has an ``hf_device_map`` of more than one entry
-        (loaded with big model inference, e.g. ``device_map="auto"``)."""
-        return any(len(getattr(m, "hf_device_map", ())) > 1 for m in model.modules())
+        (loaded with big model inference, e.g. ``device_map="auto"``); ``prepare`` leaves such
+        a model where it is, and refuses it in a run of several processes, as Accelerate."""
+        return spread_over_devices(model)
 
     # -- which process runs what ---------------------------------------------------------
 

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from kwplug._plugins import Answer
 from kwplug._runtime import apply_mixed_precision
+from kwplug.accelerator._device_map import stays_where_mapped
 from kwplug.accelerator._gradient_state import GradientState
 from kwplug.accelerator._options import _Options
 from kwplug.accelerator._params import ParameterRemap
@@ -142,7 +143,12 @@ class _Prepared:
         only evaluated); follow replaced parameters in every prepared optimizer; then, last,
         ``compile_model`` (``torch.compile`` with ``dynamo_backend=``/``TorchDynamoPlugin``).
 
+        A model loaded with a device map (``hf_device_map``) stays where the map put it,
+        after Accelerate's checks (:mod:`kwplug.accelerator._device_map`).
+
         Raises:
+            ValueError: a device-mapped model Accelerate refuses to train (spread over devices
+                in a multi-process run; 8-bit/4-bit with CPU or disk offload...).
             TypeError: the answering plugin (``wrap_model``, ``compile_model``) returned
                 something that is not a module.
             PluginHookError: several processes run and no plugin wrapped a model that has
@@ -152,7 +158,8 @@ class _Prepared:
             return model
         setup = self.setup
         before = dict(model.named_parameters())
-        if device_placement:
+        mapped = stays_where_mapped(model, setup.device, setup.process.world_size)
+        if device_placement and not mapped:  # a device-mapped model stays, as Accelerate's
             model = model.to(setup.device)
         if setup.mixed_precision != "no":
             # Patched before wrapping, as Accelerate: a DDP wrapper calls the patched forward.
@@ -265,6 +272,7 @@ class _Prepared:
             tracker=self.active_loaders,
         )
         prepared.device_placement = device_placement
+        prepared.gradient_state = self.gradient_state  # Accelerate's loader attribute
         _mark(prepared)
         if prepared not in self.dataloaders:
             self.dataloaders.append(prepared)

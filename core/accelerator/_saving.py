@@ -49,7 +49,26 @@ def get_state_dict(
         model = unwrap(model, plugins)
     if is_sharded(model):
         return cast("dict[str, torch.Tensor]", full_model_state(model))
-    return model.state_dict()
+    return _onloaded(model, model.state_dict())
+
+
+def _offload_hooks(hook: Any) -> list[Any]:
+    # An offloading hook (kwplug.hooks.AlignDevicesHook or Accelerate's), alone or chained.
+    hooks = getattr(hook, "hooks", (hook,))
+    return [h for h in hooks if getattr(h, "offload", False) and getattr(h, "weights_map", None)]
+
+
+def _onloaded(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with the tensors an offloading hook keeps on ``meta`` between forwards
+    replaced by the hook's own (Accelerate's ``get_state_dict_offloaded_model``)."""
+    for name, module in model.named_modules():
+        for hook in _offload_hooks(getattr(module, "_hf_hook", None)):
+            prefix = f"{name}." if name else ""
+            for key in hook.weights_map:
+                full = prefix + key
+                if full in state and state[full].is_meta:
+                    state[full] = hook.weights_map[key].to("cpu")
+    return state
 
 
 def parse_size(size: int | str) -> int:

@@ -59,11 +59,13 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.availability import is_triton_available as is_triton_available
     from kwplug.utils.availability import is_weights_only_available as is_weights_only_available
     from kwplug.utils.availability import is_xccl_available as is_xccl_available
+    from kwplug.utils.dataclasses import AORecipeKwargs as AORecipeKwargs
     from kwplug.utils.dataclasses import DataLoaderConfiguration as DataLoaderConfiguration
     from kwplug.utils.dataclasses import DistributedType as DistributedType
     from kwplug.utils.dataclasses import GradientAccumulationPlugin as GradientAccumulationPlugin
     from kwplug.utils.dataclasses import ProjectConfiguration as ProjectConfiguration
     from kwplug.utils.dataclasses import RNGType as RNGType
+    from kwplug.utils.dataclasses import TERecipeKwargs as TERecipeKwargs
     from kwplug.utils.devices import get_accelerator_free_memory as get_accelerator_free_memory
     from kwplug.utils.devices import get_distributed_backend as get_distributed_backend
     from kwplug.utils.devices import get_torch_accelerator_backend as get_torch_accelerator_backend
@@ -138,6 +140,8 @@ if TYPE_CHECKING:  # the same names, for type checkers (explicit re-exports)
     from kwplug.utils.operations import reduce as reduce
     from kwplug.utils.other import check_os_kernel as check_os_kernel
     from kwplug.utils.other import extract_model_from_parallel as extract_model_from_parallel
+    from kwplug.utils.other import get_model_tp_size as get_model_tp_size
+    from kwplug.utils.other import model_has_dtensor as model_has_dtensor
     from kwplug.utils.other import save as save
     from kwplug.utils.other import wait_for_everyone as wait_for_everyone
     from kwplug.utils.progress import tqdm as tqdm
@@ -170,6 +174,8 @@ _EXPORTS: dict[str, str] = {
     "FullyShardedDataParallelPlugin": "kwplug.plugins",
     "ParallelismConfig": "kwplug.plugins",
     "DataLoaderConfiguration": "kwplug.utils.dataclasses",
+    "AORecipeKwargs": "kwplug.utils.dataclasses",
+    "TERecipeKwargs": "kwplug.utils.dataclasses",
     "DistributedType": "kwplug.utils.dataclasses",
     "RNGType": "kwplug.utils.dataclasses",
     "GradientAccumulationPlugin": "kwplug.utils.dataclasses",
@@ -252,6 +258,8 @@ _EXPORTS: dict[str, str] = {
     "normalize_device": "kwplug.utils.devices",
     "check_os_kernel": "kwplug.utils.other",
     "extract_model_from_parallel": "kwplug.utils.other",
+    "get_model_tp_size": "kwplug.utils.other",
+    "model_has_dtensor": "kwplug.utils.other",
     "save": "kwplug.utils.other",
     "wait_for_everyone": "kwplug.utils.other",
     "tqdm": "kwplug.utils.progress",

@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import enum
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import attrs
 
 from kwplug.validators import number, optional_bool, strict_bool
 
 __all__ = [
+    "AORecipeKwargs",
     "DataLoaderConfiguration",
     "DistributedType",
     "GradientAccumulationPlugin",
     "ProjectConfiguration",
     "RNGType",
+    "TERecipeKwargs",
     "default_distributed_type",
 ]
 
@@ -283,3 +286,51 @@ class GradientAccumulationPlugin:
             for f in attrs.fields(GradientAccumulationPlugin)
             if getattr(self, f.name) != getattr(default, f.name)
         }
+
+
+def _no_fp8(name: str) -> NoReturn:
+    raise NotImplementedError(
+        f"{name}: kwplug has no FP8 training (Accelerate's mixed_precision='fp8' with "
+        f"Transformer Engine or torchao); see the `{name}` row of "
+        "docs/migrating-from-accelerate.md"
+    )
+
+
+class TERecipeKwargs:
+    """Accelerate's Transformer Engine FP8 recipe, under its name and signature so that a
+    script importing it imports; kwplug has no FP8 training.
+
+    Raises:
+        NotImplementedError: at construction, naming the migration row.
+    """
+
+    def __init__(
+        self,
+        use_autocast_during_eval: bool | None = None,
+        margin: int | None = None,
+        interval: int | None = None,
+        fp8_format: str | None = None,
+        amax_history_len: int | None = None,
+        amax_compute_algo: str | None = None,
+        override_linear_precision: tuple[bool, bool, bool] | None = None,
+        use_mxfp8_block_scaling: bool | None = None,
+    ) -> None:
+        _no_fp8("TERecipeKwargs")
+
+
+class AORecipeKwargs:
+    """Accelerate's torchao FP8 recipe, under its name and signature so that a script
+    importing it imports; kwplug has no FP8 training.
+
+    Raises:
+        NotImplementedError: at construction, naming the migration row.
+    """
+
+    def __init__(
+        self,
+        config: Any = None,
+        module_filter_func: Callable[..., Any] | None = None,
+        pad_inner_dim: bool | None = None,
+        enable_fsdp_float8_all_gather: bool | None = None,
+    ) -> None:
+        _no_fp8("AORecipeKwargs")

@@ -20,7 +20,9 @@ __all__ = [
 
 T = TypeVar("T")
 
-logger = logging.getLogger(__name__)
+# Accelerate's logger name for its warning (its tests and scripts capture it by that name);
+# kwplug's set_verbosity sets the "accelerate" logger too.
+logger = logging.getLogger("accelerate.utils.environment")
 _FORBIDDEN = (";", "\n", "<", ">", " ")
 
 _TRUE = frozenset({"y", "yes", "t", "true", "on", "1"})
@@ -162,8 +164,8 @@ def purge_accelerate_environment(func_or_cls: T) -> T:
 def convert_dict_to_env_variables(current_env: dict[str, str]) -> list[str]:
     """``["KEY=value\\n", ...]`` for the items of ``current_env`` that are safe in an
     environment file (Accelerate's): an item whose key or value is empty or contains ``;``,
-    a newline, ``<``, ``>`` or a space is left out, with a warning on this module's logger
-    (``kwplug.utils.environment``; Accelerate's is ``accelerate.utils.environment``).
+    a newline, ``<``, ``>`` or a space is left out, with a warning on Accelerate's logger of
+    it, ``accelerate.utils.environment`` (whose level ``kwplug.logging.set_verbosity`` sets).
 
     Args:
         current_env: variable names to values (strings).
@@ -175,6 +177,8 @@ def convert_dict_to_env_variables(current_env: dict[str, str]) -> list[str]:
             valid.append(f"{key}={value}\n")
         else:
             logger.warning(
-                "Skipping %s=%s as it contains forbidden characters or missing values.", key, value
+                "WARNING: Skipping %s=%s as it contains forbidden characters or missing values.",
+                key,
+                value,
             )
     return valid

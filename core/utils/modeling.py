@@ -161,11 +161,11 @@ def get_state_dict_from_offload(
 
 
 def has_offloaded_params(module: torch.nn.Module) -> bool:
-    """Whether ``module`` carries Accelerate's offloading hook (an ``AlignDevicesHook`` with
-    ``offload=True`` as its ``_hf_hook``, which Accelerate's big-model inference attaches).
-    kwplug attaches no such hook, so this is ``False`` unless the module went through
-    Accelerate's (or ``transformers``' ``device_map``) offloading; the hook is recognised by
-    its class name, without importing Accelerate.
+    """Whether ``module`` carries an offloading hook: an ``AlignDevicesHook`` with
+    ``offload=True`` as its ``_hf_hook`` (kwplug's, from
+    ``kwplug.hooks.attach_align_device_hook(..., offload=True)``, or Accelerate's, which
+    transformers' ``device_map`` offloading attaches; recognised by its class name, without
+    importing either).
 
     Args:
         module: the module to check.

@@ -1,6 +1,6 @@
 """Accelerate's free functions of ``accelerate.utils.other`` that scripts call without an
-``Accelerator`` at hand: :func:`wait_for_everyone`, :func:`extract_model_from_parallel` and
-:func:`save`.
+``Accelerator`` at hand: :func:`wait_for_everyone`, :func:`extract_model_from_parallel`,
+:func:`save`, and what they ask of a model: :func:`model_has_dtensor`, :func:`get_model_tp_size`.
 
 Both stay below the Accelerator: the unwrapping and the live-Accelerator registry come from
 :mod:`kwplug._runtime`, which the Accelerator uses too."""
@@ -10,14 +10,22 @@ from __future__ import annotations
 import os
 import platform
 import re
-from typing import Any, BinaryIO
+import sys
+from typing import Any, BinaryIO, cast
 
 import torch
 
 from kwplug._process.environment import ProcessInfo
 from kwplug._runtime import write
 
-__all__ = ["check_os_kernel", "extract_model_from_parallel", "save", "wait_for_everyone"]
+__all__ = [
+    "check_os_kernel",
+    "extract_model_from_parallel",
+    "get_model_tp_size",
+    "model_has_dtensor",
+    "save",
+    "wait_for_everyone",
+]
 
 
 def wait_for_everyone() -> None:
@@ -135,3 +143,32 @@ def check_os_kernel() -> None:
             f"of {minimum}; this can cause the process to hang. It is recommended to upgrade "
             "the kernel to the minimum version or higher."
         )
+
+
+def model_has_dtensor(model: torch.nn.Module) -> bool:
+    """Whether a parameter of ``model`` is a ``torch.distributed.tensor.DTensor`` (sharded by
+    ``fully_shard``/``parallelize_module``), Accelerate's function.
+
+    ``False`` on a torch built without distributed support, and without importing
+    ``torch.distributed.tensor`` (which such a build cannot): no parameter is a ``DTensor``
+    unless that module was imported.
+    """
+    if not torch.distributed.is_available():
+        return False
+    tensor_module = sys.modules.get("torch.distributed.tensor")
+    if tensor_module is None:
+        return False
+    return any(isinstance(p, tensor_module.DTensor) for p in model.parameters())
+
+
+def get_model_tp_size(model: torch.nn.Module) -> int | None:
+    """The tensor-parallel degree a transformers model was sharded with, ``None`` if not
+    (Accelerate's function): ``model.tp_size`` (transformers < 5), else
+    ``model.config.distributed_config.tp_size`` (transformers >= 5; a ``dict`` config too)."""
+    tp_size = getattr(model, "tp_size", None)
+    if tp_size is not None:
+        return cast(int, tp_size)
+    distributed = getattr(getattr(model, "config", None), "distributed_config", None)
+    if isinstance(distributed, dict):
+        return distributed.get("tp_size")
+    return getattr(distributed, "tp_size", None)

@@ -19,6 +19,7 @@ import pytest
 
 import kwplug
 import kwplug.data_loader
+import kwplug.hooks
 import kwplug.launchers
 import kwplug.local_sgd
 import kwplug.logging
@@ -119,7 +120,7 @@ def test_names_claimed_supported_exist_in_kwplug(names: tuple[set[str], set[str]
     accelerator = kwplug.Accelerator(cpu=True)
     anywhere: list[Any] = [accelerator, kwplug, kwplug.utils, kwplug.tracking, kwplug.local_sgd]
     anywhere += [kwplug.optimizer, kwplug.scheduler, kwplug.logging, kwplug.state]
-    anywhere += [kwplug.launchers, kwplug.data_loader]
+    anywhere += [kwplug.launchers, kwplug.data_loader, kwplug.hooks]
     missing = []
     for namespace, status, row, line in _rows():
         if status != "supported":

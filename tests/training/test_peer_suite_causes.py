@@ -164,20 +164,17 @@ def test_load_checkpoint_in_model_reads_save_models_files_into_a_meta_model(
 
 def test_big_model_inference_names_import_and_raise_naming_their_row(tmp_path: Path) -> None:
     from kwplug import infer_auto_device_map, load_checkpoint_and_dispatch, load_checkpoint_in_model
-    from kwplug.big_modeling import cpu_offload_with_hook
-    from kwplug.hooks import attach_align_device_hook, remove_hook_from_module
     from kwplug.utils.modeling import get_state_dict_from_offload
 
     model = torch.nn.Linear(2, 2)
     doc = (Path(__file__).parents[2] / "docs" / "migrating-from-accelerate.md").read_text()
     calls = {
         "infer_auto_device_map": lambda: infer_auto_device_map(model),
-        "load_checkpoint_and_dispatch": lambda: load_checkpoint_and_dispatch(model, tmp_path),
-        "cpu_offload_with_hook": lambda: cpu_offload_with_hook(model),
+        "load_checkpoint_and_dispatch": lambda: load_checkpoint_and_dispatch(
+            model, tmp_path, device_map="auto"
+        ),
         "get_state_dict_from_offload": lambda: get_state_dict_from_offload(model, "", {}),
-        "attach_align_device_hook": lambda: attach_align_device_hook(model),
-        "remove_hook_from_module": lambda: remove_hook_from_module(model),
-    }
+    }  # the hooks are Accelerate's (test_peer_suite_fidelity.py)
     for name, call in calls.items():
         with pytest.raises(NotImplementedError, match=rf"`{name}` row of docs/migrating"):
             call()

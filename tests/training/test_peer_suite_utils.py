@@ -86,12 +86,15 @@ def test_convert_outputs_to_fp32_converts_and_pickles() -> None:
 
 def test_convert_dict_to_env_variables_is_accelerates(caplog: pytest.LogCaptureFixture) -> None:
     env = {"ACCELERATE_DEBUG_MODE": "1", "BAD_ENV_NAME": "<mything", "OTHER_ENV": "2", "E": ""}
-    with caplog.at_level(logging.WARNING, logger="kwplug.utils.environment"):
+    name = "accelerate.utils.environment"  # Accelerate's logger, its tests' assertLogs target
+    with caplog.at_level(logging.WARNING, logger=name):
         ours = ku.convert_dict_to_env_variables(env)
-    assert ours == accelerate_utils.convert_dict_to_env_variables(env)
-    assert ours == ["ACCELERATE_DEBUG_MODE=1\n", "OTHER_ENV=2\n"]
-    warned = [r.getMessage() for r in caplog.records if r.name == "kwplug.utils.environment"]
-    assert len(warned) == 2 and "BAD_ENV_NAME" in warned[0]
+        warned = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+        caplog.clear()
+        theirs = accelerate_utils.convert_dict_to_env_variables(env)
+        assert warned == [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert ours == theirs == ["ACCELERATE_DEBUG_MODE=1\n", "OTHER_ENV=2\n"]
+    assert len(warned) == 2 and warned[0][0] == name and "BAD_ENV_NAME" in warned[0][2]
 
 
 @pytest.mark.parametrize(

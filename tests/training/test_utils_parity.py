@@ -120,10 +120,12 @@ def test_verbosity_is_kwplugs_library_level() -> None:
     import kwplug.logging as kl
 
     library, child = logging.getLogger("kwplug"), logging.getLogger("kwplug.some.module")
-    before = library.level
+    accelerate_logger = logging.getLogger("accelerate")  # Accelerate's, set as by Accelerate
+    before, before_accelerate = library.level, accelerate_logger.level
     try:
         kl.set_verbosity("error")
         assert kl.get_verbosity() == logging.ERROR == child.getEffectiveLevel()
+        assert logging.getLogger("accelerate.test_verbosity").getEffectiveLevel() == logging.ERROR
         kl.set_verbosity_debug()
         assert kl.get_verbosity() == logging.DEBUG
         kl.set_verbosity_info()
@@ -141,6 +143,7 @@ def test_verbosity_is_kwplugs_library_level() -> None:
             kl.set_verbosity(True)
     finally:
         library.setLevel(before)
+        accelerate_logger.setLevel(before_accelerate)
 
 
 def test_the_handlers_are_kwplugs_own() -> None:
