@@ -17,7 +17,9 @@ before) is kept the same way, by :class:`~kwplug._plugins._watched.Outside`.
 A module must be in ``sys.modules`` for the snapshot to hold it, so before the first
 third-party import :func:`preload` imports every module of the core (but ``kwplug.testing``):
 one that a plugin imported itself and patched (``kwplug.utils.random.set_seed``, while nothing
-had imported ``kwplug.utils.random`` yet) would otherwise be taken as found.
+had imported ``kwplug.utils.random`` yet) would otherwise be taken as found. The sharded
+checkpoint storage is the exception (importing it costs ~0.8 s of torch): a copy of it that a
+plugin's import brought in is dropped after that import instead, so kwplug imports it afresh.
 Python cannot stop code from doing anything; this stops an import from doing it silently, and
 keeps kwplug, the built-ins already loaded and every later plugin working.
 """
@@ -29,7 +31,7 @@ import importlib
 import os
 import pkgutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -43,16 +45,21 @@ _VOLATILE = frozenset({"__warningregistry__"})
 
 # Not preloaded: the test kit (it imports pytest) and the command-line entry module.
 _NOT_PRELOADED = (f"{_ROOT}.testing", f"{_ROOT}.__main__")
+# Not preloaded either, for their cost: the sharded checkpoint storage imports
+# torch.distributed.checkpoint (~0.8 s, more than everything else together). kwplug imports
+# it only inside the functions that use it, by its name, so a copy a plugin's import brought
+# in (and may have changed) is dropped after that import: kwplug's next import runs its source.
+_DEFERRED = (f"{_ROOT}.checkpoint._dcp_storage",)
 _preloaded = False
 
 
 def preload() -> None:
-    """Import every module of the core (``kwplug.*`` but ``kwplug.testing``), once per
-    process, so that :func:`kwplug_kept` sees all of them (about 30 ms, paid only where a
-    third-party plugin is imported). The built-in plugins (``kwplug.plugins``, another
-    folder) are not: those that load were imported before, and a blocked one is never
-    imported. A module that cannot be imported here (an optional dependency missing, e.g.
-    ``torchdata``) is skipped: a plugin cannot import it either."""
+    """Import every module of the core (``kwplug.*`` but ``kwplug.testing`` and the sharded
+    checkpoint storage), once per process, so that :func:`kwplug_kept` sees all of them (about
+    30 ms, paid only where a third-party plugin is imported). The built-in plugins
+    (``kwplug.plugins``, another folder) are not: those that load were imported before, and
+    a blocked one is never imported. A module that cannot be imported here (an optional
+    dependency missing, e.g. ``torchdata``) is skipped: a plugin cannot import it either."""
     global _preloaded
     if _preloaded:
         return
@@ -61,7 +68,7 @@ def preload() -> None:
     while folders:
         package, path = folders.pop()
         for info in pkgutil.iter_modules(path, f"{package}."):
-            if info.name.startswith(_NOT_PRELOADED):
+            if info.name.startswith(_NOT_PRELOADED) or info.name in _DEFERRED:
                 continue
             try:
                 module = importlib.import_module(info.name)
@@ -150,6 +157,8 @@ def _restore(
         if not _from_folders(sys.modules[name], folders):  # kwplug.testing imported: fine
             changes.append(f"added sys.modules[{name!r}] (not a module of kwplug's)")
             del sys.modules[name]
+        elif name in _DEFERRED:  # not in the snapshot: compared with a fresh copy, forgotten
+            changes.extend(_forget(name))
     for name, before in bindings.items():
         namespace = vars(modules[name])
         for attr, value in before.items():
@@ -161,3 +170,48 @@ def _restore(
                 changes.append(f"{what} {name}.{attr}")
                 namespace[attr] = value
     return changes
+
+
+def _forget(name: str) -> list[str]:
+    # Drop a module a plugin's import brought in from sys.modules and from its package's
+    # namespace (``from package import module`` reads the attribute first), so that kwplug's
+    # next import executes its source; name what differs from a fresh execution of it (cheap
+    # here: what it imports is loaded already).
+    module = sys.modules.pop(name)
+    package, _, leaf = name.rpartition(".")
+    parent = sys.modules.get(package)
+    if parent is not None and vars(parent).get(leaf) is module:
+        delattr(parent, leaf)
+    try:
+        fresh = importlib.import_module(name)
+    except Exception:  # the plugin's copy imported; a fresh one that does not: nothing to name
+        return []
+    finally:
+        sys.modules.pop(name, None)
+        if parent is not None and leaf in vars(parent):
+            delattr(parent, leaf)
+    changes = [f"replaced {name}.{attr}" for attr in _differ(vars(fresh), vars(module))]
+    for attr, cls in vars(fresh).items():
+        was = vars(module).get(attr)
+        if isinstance(cls, type) and isinstance(was, type) and cls.__module__ == name:
+            changes += [f"replaced {name}.{attr}.{a}" for a in _differ(vars(cls), vars(was))]
+    return changes
+
+
+def _differ(genuine: Mapping[str, Any], seen: Mapping[str, Any]) -> list[str]:
+    # Names whose value is not what the source defines: another type, or a function or class
+    # of another name or module (each execution makes new objects, so identity cannot tell).
+    def key(value: Any) -> tuple[Any, ...]:
+        if callable(value):
+            return (
+                type(value),
+                getattr(value, "__module__", None),
+                getattr(value, "__qualname__", None),
+            )
+        return (type(value),)
+
+    return [
+        attr
+        for attr, value in genuine.items()
+        if not attr.startswith("__") and key(seen.get(attr, _MISSING)) != key(value)
+    ]

@@ -40,6 +40,13 @@ BROKEN = {
         random_utils.set_seed = lambda seed, *args, **kwargs: None
         accelerator_module.Accelerator.backward = lambda self, loss, **kwargs: None
     """),
+    # The one core module discovery does not import beforehand (its torch import costs ~0.8 s):
+    # the sharded checkpoint storage, patched by the plugin that imports it.
+    "storage": textwrap.dedent("""
+        import kwplug.checkpoint._dcp_storage as storage
+        storage.ShardWriter.write_data = lambda self, plan, planner: None
+        storage.ShardReader = None
+    """),
 }
 
 TRAIN = textwrap.dedent("""
@@ -163,6 +170,52 @@ def test_a_plugin_cannot_patch_a_module_it_imports_itself(site: Path) -> None:
     assert result["status"] == "failed"
     assert "replaced kwplug.utils.random.set_seed" in result["error"]
     assert "added kwplug.accelerator.Accelerator.backward" in result["error"]
+
+
+def test_a_plugin_patching_the_sharded_storage_is_named_and_undone(site: Path) -> None:
+    code = textwrap.dedent("""
+        import json, sys
+        import kwplug
+        kwplug.Accelerator(cpu=True)
+        records = {r.name: r for r in kwplug.discover()}
+        loaded_then = "torch.distributed.checkpoint" in sys.modules
+        from kwplug.checkpoint._dcp_storage import ShardReader, ShardWriter
+        print(json.dumps({
+            "write_data": ShardWriter.write_data.__qualname__,
+            "reader": getattr(ShardReader, "__name__", None),
+            "loaded_then": loaded_then, "status": records["storage"].status,
+            "error": records["storage"].error,
+        }))
+    """)
+    result = run_json(code, site)
+    # the plugin's import brought torch.distributed.checkpoint in: discovery did not need to
+    assert result["loaded_then"]
+    assert result["write_data"] == "ShardWriter.write_data"
+    assert result["reader"] == "ShardReader"
+    assert result["status"] == "failed"
+    assert "replaced kwplug.checkpoint._dcp_storage.ShardReader" in result["error"]
+    assert "replaced kwplug.checkpoint._dcp_storage.ShardWriter.write_data" in result["error"]
+
+
+def test_plugins_do_not_make_every_process_import_the_sharded_storage(tmp_path: Path) -> None:
+    # A third-party plugin makes discovery import the core first (the guard's snapshot); the
+    # sharded checkpoint storage (torch.distributed.checkpoint, ~0.8 s) is not part of it.
+    site = install_module_plugins({"quiet": "import kwplug\n"}, tmp_path)
+    code = textwrap.dedent("""
+        import json, sys
+        import kwplug
+        kwplug.Accelerator(cpu=True)
+        records = {r.name: r for r in kwplug.discover()}
+        print(json.dumps({
+            "status": records["quiet"].status,
+            "utils_random": "kwplug.utils.random" in sys.modules,
+            "dcp": sorted(m for m in sys.modules if m.startswith("torch.distributed.checkpoint")),
+        }))
+    """)
+    result = run_json(code, site)
+    assert result["status"] == "loaded"
+    assert result["utils_random"]  # the rest of the core was imported for the snapshot
+    assert result["dcp"] == []
 
 
 def test_the_command_line_reports_what_a_script_sees(site: Path) -> None:
