@@ -326,6 +326,21 @@ class AcceleratorState(PartialState):
         return bool(live is not None and live.is_fsdp2)
 
     @property
+    def fsdp_plugin(self) -> Any:
+        """The Accelerator's ``fsdp_plugin`` (given as that keyword, or built from
+        ``kwplug launch``'s/``accelerate launch``'s FSDP variables), as Accelerate's
+        ``state.fsdp_plugin``; ``None`` without one, or when the FSDP handler was passed in
+        ``kwargs_handlers`` (kwplug's own way)."""
+        live = self._described()
+        return None if live is None else getattr(live, "_fsdp_plugin", None)
+
+    @property
+    def parallelism_config(self) -> Any:
+        """The Accelerator's ``parallelism_config`` (``None`` without one), as Accelerate's."""
+        live = self._described()
+        return None if live is None else getattr(live, "parallelism_config", None)
+
+    @property
     def deepspeed_plugin(self) -> None:
         """``None``: kwplug has no DeepSpeed integration."""
         return None

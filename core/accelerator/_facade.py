@@ -191,6 +191,8 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
         # Resolved once; the public attributes below are read-only by convention.
         self._setup: _Setup = resolve(mixed_precision_from_env(mixed_precision), cpu, handlers)
         self.parallelism_config: KwargsHandler | None = keywords["parallelism_config"]
+        # What Accelerate keeps as ``state.fsdp_plugin`` (the keyword's or the launcher's).
+        self._fsdp_plugin: KwargsHandler | None = keywords["fsdp_plugin"]
         #: The ``device_mesh`` hook's ``torch.distributed.device_mesh.DeviceMesh``, or ``None``.
         self.torch_device_mesh: Any = self._setup.device_mesh
         setup = self._setup

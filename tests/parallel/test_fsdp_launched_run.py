@@ -76,6 +76,9 @@ def test_a_launched_fsdp_config_trains_as_the_plugin_built_in_code(tmp_path: Pat
         # The launcher's variables built the plugins the script builds in code, field by field.
         assert ours["handlers"] == theirs["handlers"]
         assert ours["parallelism_config"] == theirs["parallelism_config"] != "None"
+        assert ours["state_parallelism_config"] == ours["parallelism_config"]
+        assert ours["state_fsdp_plugin"] == theirs["state_fsdp_plugin"]
+        assert ours["state_fsdp_plugin"].startswith("FullyShardedDataParallelPlugin(")
         assert "FSDP_VERSION" in ours["variables"] and theirs["variables"] == []
         assert ours["losses"] == theirs["losses"] and len(ours["losses"]) == 8
     assert launched["weights"].keys() == coded["weights"].keys()

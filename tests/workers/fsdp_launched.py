@@ -82,6 +82,9 @@ def main() -> None:
         "is_fsdp2": accelerator.is_fsdp2,
         "mesh": None if mesh is None else list(mesh.mesh_dim_names),
         "parallelism_config": repr(accelerator.parallelism_config),
+        # Accelerate's scripts read the plugins back from the state.
+        "state_fsdp_plugin": repr(accelerator.state.fsdp_plugin),
+        "state_parallelism_config": repr(accelerator.state.parallelism_config),
         "variables": sorted(k for k in os.environ if k.startswith(("FSDP_", "PARALLELISM_"))),
     }
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
