@@ -56,7 +56,7 @@ _preloaded = False
 def preload() -> None:
     """Import every module of the core (``kwplug.*`` but ``kwplug.testing`` and the sharded
     checkpoint storage), once per process, so that :func:`kwplug_kept` sees all of them (about
-    30 ms, paid only where a third-party plugin is imported). The built-in plugins
+    70 ms, paid only where a third-party plugin is imported). The built-in plugins
     (``kwplug.plugins``, another folder) are not: those that load were imported before, and
     a blocked one is never imported. A module that cannot be imported here (an optional
     dependency missing, e.g. ``torchdata``) is skipped: a plugin cannot import it either."""
