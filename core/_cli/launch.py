@@ -150,6 +150,12 @@ def _default_processes(cpu: bool) -> int:
     return max(int(accelerator.device_count()), 1)
 
 
+_COUNTS = (
+    "num_processes", "num_machines", "machine_rank", "gradient_accumulation_steps",
+    "num_cpu_threads_per_process",
+)  # fmt: skip
+
+
 def torchrun_arguments(settings: Mapping[str, Any]) -> tuple[list[str], dict[str, str]]:
     """The ``torch.distributed.run`` command line and the variables to add to the
     environment, for launch ``settings`` (the command line merged over the config file).
@@ -159,6 +165,10 @@ def torchrun_arguments(settings: Mapping[str, Any]) -> tuple[list[str], dict[str
             several machines without ``main_process_ip``/``main_process_port`` (as
             Accelerate), or ``--module`` with ``--no_python``.
     """
+    for name in _COUNTS:  # a config file's "two" is named, not int()'s message
+        value = settings.get(name)
+        if value is not None and (isinstance(value, bool) or not str(value).lstrip("-").isdigit()):
+            raise ValueError(f"--{name} (config file: {name}) = {value!r}: not an integer")
     machines = int(settings.get("num_machines") or 1)
     total = settings.get("num_processes")
     kind = settings.get("distributed_type")

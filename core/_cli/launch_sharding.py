@@ -19,6 +19,8 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from kwplug.utils.environment import str_to_bool
+
 __all__ = [
     "FLAGS",
     "add_flags",
@@ -172,6 +174,7 @@ def environment(settings: Mapping[str, Any]) -> dict[str, str]:
             :func:`check_environment`).
     """
     v = _value
+    _check_types(settings)
     env: dict[str, str] = {}
     if settings.get("use_fsdp"):
         env["ACCELERATE_USE_FSDP"] = "true"
@@ -256,6 +259,65 @@ def check_environment(env: Mapping[str, str], settings: Mapping[str, Any]) -> No
             FullyShardedDataParallelPlugin.from_launcher()
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{_named(str(exc), settings)}{exc}") from None
+
+
+_BOOLS = (
+    "fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_forward_prefetch",
+    "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states",
+    "fsdp_activation_checkpointing", "fsdp_activation_checkpointing_offload",
+    "parallelism_config_sp_seq_length_is_variable",
+)  # fmt: skip
+_INTS = (
+    "fsdp_min_num_params", "parallelism_config_dp_replicate_size",
+    "parallelism_config_dp_shard_size", "parallelism_config_tp_size",
+    "parallelism_config_cp_size", "parallelism_config_sp_size",
+)  # fmt: skip
+
+
+def _check_types(settings: Mapping[str, Any]) -> None:
+    # What the plugins would only see as an environment string ("invalid truth value 'x'",
+    # or nothing at all for a variable FSDP2 does not read) is refused here, by its name.
+    used = [
+        (names, section)
+        for names, section, switch in (
+            (_BOOLS[:8] + _INTS[:1], "fsdp_config", "use_fsdp"),
+            (_BOOLS[8:] + _INTS[1:], "parallelism_config", "use_parallelism_config"),
+        )
+        if settings.get(switch)
+    ]
+    for names, section in used:
+        for name in names:
+            value = _value(settings, name)
+            if value is None:
+                continue
+            where = f"--{name} (config file: {section}.{name}) = {value!r}: "
+            if name in _BOOLS and not _is_truth(value):
+                raise ValueError(
+                    f"{where}not a boolean (true/false, yes/no, on/off, 1/0, as accelerate "
+                    "launch reads it)"
+                )
+            if name in _INTS and not _is_integer(value):
+                raise ValueError(f"{where}not an integer")
+
+
+def _is_truth(value: Any) -> bool:
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return True
+    try:
+        str_to_bool(str(value))
+    except ValueError:
+        return False
+    return True
+
+
+def _is_integer(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        int(str(value))
+    except ValueError:
+        return False
+    return True
 
 
 def _named(message: str, settings: Mapping[str, Any]) -> str:

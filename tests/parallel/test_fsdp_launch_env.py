@@ -296,3 +296,39 @@ def test_fsdp1_prefetch_is_refused_where_accelerate_drops_it(
     assert accelerate.FullyShardedDataParallelPlugin().backward_prefetch is None
     with pytest.raises(ValueError, match="backward_prefetch"):
         FullyShardedDataParallelPlugin()
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        (
+            "  fsdp_activation_checkpointing: yes please\n",
+            "fsdp_config.fsdp_activation_checkpointing",
+        ),
+        ("  fsdp_offload_params: nah\n", "fsdp_config.fsdp_offload_params"),
+        ("  fsdp_activation_checkpointing: 2\n", "fsdp_config.fsdp_activation_checkpointing"),
+        # FSDP2 never reads this variable: without the check, any value passed silently.
+        ("  fsdp_sync_module_states: zz\n", "fsdp_config.fsdp_sync_module_states"),
+        ("  fsdp_min_num_params: lots\n", "fsdp_config.fsdp_min_num_params"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_named_before_launch(
+    line: str, named: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(MINIMAL_YAML + line)
+    error = _refused(["--config_file", str(config)], capsys, tmp_path)
+    assert f"(config file: {named}) = " in error
+    assert "not a boolean" in error or "not an integer" in error
+    # A truth string accelerate launch reads is accepted.
+    config.write_text(MINIMAL_YAML + "  fsdp_activation_checkpointing: 'yes'\n")
+    assert _ours(["--config_file", str(config)])["FSDP_ACTIVATION_CHECKPOINTING"] == "yes"
+
+
+def test_a_count_that_is_no_integer_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(MINIMAL_YAML.replace("num_processes: 2", "num_processes: two"))
+    error = _refused(["--config_file", str(config)], capsys, tmp_path)
+    assert "--num_processes (config file: num_processes) = 'two': not an integer" in error
