@@ -13,13 +13,11 @@ starts, with the plugin's own construction error, naming the flag and the config
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from kwplug.utils.environment import str_to_bool
+from kwplug.utils.environment import patch_environment, str_to_bool
 
 __all__ = [
     "FLAGS",
@@ -226,21 +224,6 @@ def environment(settings: Mapping[str, Any]) -> dict[str, str]:
     return env
 
 
-@contextlib.contextmanager
-def _only(env: Mapping[str, str]) -> Iterator[None]:
-    # The plugins read os.environ: these variables, and none of the launcher's own.
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def check_environment(env: Mapping[str, str], settings: Mapping[str, Any]) -> None:
     """Build kwplug's ``ParallelismConfig`` and ``FullyShardedDataParallelPlugin`` from
     ``env`` as the script's ``Accelerator()`` will (their ``from_launcher()``), so that what
@@ -253,7 +236,7 @@ def check_environment(env: Mapping[str, str], settings: Mapping[str, Any]) -> No
     from kwplug.plugins.fsdp import FullyShardedDataParallelPlugin
     from kwplug.plugins.parallelism import ParallelismConfig
 
-    with _only(env):
+    with patch_environment(**env):  # the plugins read os.environ
         try:
             ParallelismConfig.from_launcher()
             FullyShardedDataParallelPlugin.from_launcher()
