@@ -337,6 +337,19 @@ def batched_power_sgd_hook(
         issued.set_result(None)
         q_future.then(decompress)
 
+    return _chain_q(previous, p_future, reduce_q, result, q_group)
+
+
+def _chain_q(
+    previous: torch.futures.Future[Any] | None,
+    p_future: torch.futures.Future[Any],
+    reduce_q: Any,
+    result: torch.futures.Future[Any],
+    q_group: dist.ProcessGroup | None,
+) -> torch.futures.Future[Any]:
+    # Calls reduce_q(P's future) once P is summed and the previous bucket's Q all-reduce is
+    # issued (gloo runs a group's collectives in issue order); with one group, waits for this
+    # bucket to finish before the next bucket's collectives. Returns ``result``.
     if previous is None or previous.done():
         p_future.then(reduce_q)
     else:

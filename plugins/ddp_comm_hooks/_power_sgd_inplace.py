@@ -39,7 +39,11 @@ from kwplug.plugins.ddp_comm_hooks._common import (
     future_tensor,
     world_size,
 )
-from kwplug.plugins.ddp_comm_hooks._power_sgd import _count_step, _orthonormalize_columns
+from kwplug.plugins.ddp_comm_hooks._power_sgd import (
+    _chain_q,
+    _count_step,
+    _orthonormalize_columns,
+)
 
 
 class _Layout:
@@ -289,14 +293,7 @@ def power_sgd_inplace_hook(
         issued.set_result(None)
         q_future.then(decompress)
 
-    if previous is None or previous.done():
-        p_future.then(reduce_q)
-    else:
-        # Both done: then P's result is ready and the previous Q is issued.
-        torch.futures.collect_all([previous, p_future]).then(lambda both: reduce_q(both.value()[1]))
-    if q_group is None:
-        result.wait()  # one group: finish before the next bucket's collectives (gloo order)
-    return result
+    return _chain_q(previous, p_future, reduce_q, result, q_group)
 
 
 # Orders its collectives itself (a second group for Q, or waiting when there is none), and
