@@ -18,8 +18,8 @@ file costs one ``fstat``. Its checksum (:mod:`kwplug.checkpoint._checksum`: ``xx
   never seen.
 
 ``safetensors.torch.load`` is not used to decode: it copies every tensor out of the bytes
-(``deserialize``), twice the file's memory at its peak; the header is checked here as
-safetensors checks it (known dtypes, shapes, offsets back to back, ending at the file's end).
+(``deserialize``), twice the file's memory at its peak; the header is checked as
+safetensors checks it (:mod:`kwplug.checkpoint._decode`).
 
 Two threads share the first pass where it can be shared without holding more memory
 (``preadv`` and the hashers release the GIL): :func:`read_states` verifies two files at a
@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import stat
-import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,18 +40,14 @@ from typing import Any
 import torch
 
 from kwplug.checkpoint import _checksum as checksum
-from kwplug.checkpoint import _codec as codec
+from kwplug.checkpoint import _decode as decode
 from kwplug.checkpoint import _staging as staging
 from kwplug.errors import CheckpointError
 
-#: The largest safetensors header read (safetensors' own limit).
-HEADER_LIMIT = 100_000_000
 #: Files the first pass (:func:`read_states`) verifies at a time.
 WORKERS = 2
 #: Bytes read (then hashed) at a time.
 CHUNK = checksum.CHUNK
-#: Tensors of fewer bytes are copied out of a decoded file, not viewed in it.
-SMALL = 1 << 16
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -100,7 +94,7 @@ def read_small(path: Path, limit: int) -> bytes:
     """
     fd = open_regular(path, limit=limit)
     try:
-        return _pread(fd, os.fstat(fd).st_size, 0)
+        return pread(fd, os.fstat(fd).st_size, 0)
     finally:
         os.close(fd)
 
@@ -125,22 +119,22 @@ def verify(path: Path, expected: tuple[int, str]) -> None:
         CheckpointError: ``path`` is missing, not regular, truncated or altered, or its
             record names an unknown checksum algorithm.
     """
-    algorithm = _algorithm(path, expected)
+    algorithm = algorithm_of(path, expected)
     fd = open_regular(path, expected[0])
     try:
-        _compare(path, checksum.of_file(fd, algorithm), expected)
+        compare(path, checksum.of_file(fd, algorithm), expected)
     finally:
         os.close(fd)
 
 
-def _algorithm(path: Path, expected: tuple[int, str]) -> str:
+def algorithm_of(path: Path, expected: tuple[int, str]) -> str:
     try:
         return checksum.split(expected[1])[0]
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}", path) from None
 
 
-def _compare(path: Path, got: tuple[int, str], expected: tuple[int, str]) -> None:
+def compare(path: Path, got: tuple[int, str], expected: tuple[int, str]) -> None:
     if got[0] != expected[0]:
         raise CheckpointError(
             f"{path} has {got[0]} bytes, the manifest says {expected[0]} (changed while read?)",
@@ -171,17 +165,17 @@ def read_state(
             checksum, or not a state file kwplug wrote (naming why, with no chained parser
             error); its record names an unknown checksum algorithm.
     """
-    algorithm = _algorithm(path, expected)
+    algorithm = algorithm_of(path, expected)
     fd = open_regular(path, expected[0])
     try:
         if shapes_only:
-            _compare(path, checksum.of_file(fd, algorithm), expected)
-            source: _Source = _Shapes(fd)
-            return _checked(path, source, expected[0])
+            compare(path, checksum.of_file(fd, algorithm), expected)
+            source: decode.Source = _Shapes(fd)
+            return decode.checked(path, source, expected[0])
         source = _Bytes(_read_whole(fd, path, expected, algorithm))
     finally:
         os.close(fd)
-    return _checked(path, source, expected[0])
+    return decode.checked(path, source, expected[0])
 
 
 class _Shapes:
@@ -190,12 +184,11 @@ class _Shapes:
         self._fd = fd
 
     def read(self, count: int, offset: int) -> bytes:
-        return _pread(self._fd, count, offset)
+        return pread(self._fd, count, offset)
 
     def tensors(self, start: int, entries: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {
-            n: torch.empty(_shape(e), dtype=_dtype(e), device="meta") for n, e in entries.items()
-        }
+        shape, dtype = decode.shape_of, decode.dtype_of
+        return {n: torch.empty(shape(e), dtype=dtype(e), device="meta") for n, e in entries.items()}
 
 
 class _Bytes:
@@ -207,21 +200,7 @@ class _Bytes:
         return self._data[offset : offset + count].numpy().tobytes()
 
     def tensors(self, start: int, entries: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return _views(self._data, start, entries)
-
-
-_Source = _Shapes | _Bytes
-
-
-def _checked(path: Path, source: _Source, size: int) -> tuple[Any, dict[str, str]]:
-    try:
-        return _state(source, size)
-    except _Malformed as exc:
-        problem = str(exc)
-    raise CheckpointError(
-        f"{path} is not a state file kwplug wrote (safetensors with kwplug metadata): {problem}",
-        path,
-    )
+        return decode.views(self._data, start, entries)
 
 
 def _read_whole(fd: int, path: Path, expected: tuple[int, str], algorithm: str) -> torch.Tensor:
@@ -239,7 +218,7 @@ def _read_whole(fd: int, path: Path, expected: tuple[int, str], algorithm: str) 
             offset += count
     finally:
         view.release()
-    _compare(path, (offset, f"{algorithm}:{hashed.hexdigest()}"), expected)
+    compare(path, (offset, f"{algorithm}:{hashed.hexdigest()}"), expected)
     return data
 
 
@@ -296,95 +275,9 @@ def _read_named(path: Path, expected: tuple[int, str], shapes_only: bool) -> Any
         ) from exc
 
 
-class _Malformed(Exception):
-    """Why a file is not a state file kwplug wrote."""
-
-
-def _state(source: _Source, size: int) -> tuple[Any, dict[str, str]]:
-    # The state in the file ``source`` reads (``size`` bytes): its header, then its tensors
-    # (``source.tensors(start, entries)``: the data section starts at byte ``start``).
-    length, body = _header(source.read, size)
-    try:
-        metadata = body.get("__metadata__") or {}
-        entries = {k: v for k, v in body.items() if k != "__metadata__"}
-        decoded = source.tensors(8 + length, entries)
-        structure = json.loads(metadata[codec.META_KEY])
-        return codec.from_structure(structure, decoded), metadata
-    except CheckpointError:
-        raise
-    except Exception as exc:  # any other malformed content: say what was found
-        raise _Malformed(f"{type(exc).__name__}: {exc}") from None
-
-
-def _pread(fd: int, count: int, offset: int) -> bytes:
+def pread(fd: int, count: int, offset: int) -> bytes:
     chunks = []
     while count > 0 and (chunk := os.pread(fd, count, offset)):
         chunks.append(chunk)
         count, offset = count - len(chunk), offset + len(chunk)
     return b"".join(chunks)
-
-
-def _header(read: Callable[[int, int], bytes], size: int) -> tuple[int, dict[str, Any]]:
-    # The header's length and its JSON, read through ``read`` (bounded by the file).
-    head = read(9, 0)
-    problem = codec.foreign_format(head, size)
-    if problem is not None:
-        raise _Malformed(problem)
-    if size < 8:
-        raise _Malformed(f"it has {size} bytes, too few for a safetensors header")
-    (length,) = struct.unpack("<Q", head[:8])
-    if length > min(size - 8, HEADER_LIMIT):
-        raise _Malformed(f"its header length {length} does not fit its {size} bytes")
-    raw = read(length, 8)
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise _Malformed("its header is not UTF-8 text") from None
-    except ValueError as exc:
-        raise _Malformed(f"{type(exc).__name__}: {exc}") from None
-    if not isinstance(body, dict):
-        raise _Malformed("its header is not a JSON object")
-    return length, body
-
-
-def _dtype(entry: dict[str, Any]) -> torch.dtype:
-    return codec.DTYPES[entry["dtype"]]
-
-
-def _shape(entry: dict[str, Any]) -> list[int]:
-    shape = [int(n) for n in entry["shape"]]
-    if any(n < 0 for n in shape):
-        raise ValueError(f"negative dimension in shape {shape}")
-    return shape
-
-
-def _views(data: torch.Tensor, start: int, entries: dict[str, Any]) -> dict[str, torch.Tensor]:
-    # Each tensor as a view of the verified bytes, after the checks safetensors makes: a known
-    # dtype, offsets back to back from the data section's start to the file's end, each span
-    # the size of its shape. A span not aligned for its dtype (never written by safetensors,
-    # which pads its header to 8 bytes) is copied rather than viewed, and so is a tensor under
-    # SMALL bytes: torch.set_rng_state reads a state tensor's storage from its start, ignoring
-    # the view's offset (torch 2.13), and small states cost nothing to copy.
-    spans = sorted(
-        (int(e["data_offsets"][0]), int(e["data_offsets"][1]), n) for n, e in entries.items()
-    )
-    done, tensors = 0, {}
-    for begin, end, name in spans:
-        entry = entries[name]
-        dtype, shape = _dtype(entry), _shape(entry)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        numel = 1
-        for n in shape:
-            numel *= n
-        if begin != done or end - begin != numel * itemsize:
-            raise ValueError(
-                f"tensor {name!r} spans bytes {begin}-{end}, not {done}-{done + numel * itemsize}"
-            )
-        piece = data[start + begin : start + end]
-        if (start + begin) % itemsize or piece.numel() < SMALL:
-            piece = piece.clone()
-        tensors[name] = piece.view(dtype).reshape(shape)
-        done = end
-    if start + done != data.numel():
-        raise ValueError(f"its tensors end at byte {start + done}, the file at {data.numel()}")
-    return tensors
