@@ -14,6 +14,7 @@ import torch
 from kwplug.checkpoint import _checks as checks
 from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _commit as commit
+from kwplug.checkpoint import _direct as direct
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _links as links
 from kwplug.checkpoint import _lock as lock
@@ -222,7 +223,10 @@ def _read(
                 f"{directory / entry.file} is missing from the checkpoint", directory / entry.file
             )
     later = {e.file for e in entries if _later(e)}
-    later -= _held(entries, later & wanted & records.keys(), records)
+    # Files read straight into live tensors (:mod:`._direct`) are never held: they make no
+    # memory when loaded, holding them would.
+    straight = {e.file for e in entries if e.file in later and direct.live_state(e.target)}
+    later -= _held(entries, (later - straight) & wanted & records.keys(), records)
     staging.expect(max((records[e.file][0] for e in entries if e.file in records), default=0))
     # Shard files are verified by their own entries (each rank a share), not all on rank 0.
     listed = {n for n in records if layout.is_own_file(n) and layout.sharded_prefix_of(n) is None}
@@ -248,8 +252,13 @@ def _decoded(
     records: dict[str, manifest.Record],
     entry: plan.Entry,
 ) -> Any:
-    # The state of a LATER entry, decoded from its file and verified over the decoded bytes.
-    state, meta = reader.read_state(directory / entry.file, records[entry.file])
+    # The state of a LATER entry, decoded from its file and verified over the decoded bytes:
+    # read into the live tensors where its object allows (:mod:`._direct`).
+    live = direct.live_state(entry.target)
+    if live is not None:
+        state, meta = direct.read_into(directory / entry.file, records[entry.file], live)
+    else:
+        state, meta = reader.read_state(directory / entry.file, records[entry.file])
     state = _adapted(entry.target, state, sources.modules())
     _check(directory / entry.file, entry, state, meta)
     return state

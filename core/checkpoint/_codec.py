@@ -118,6 +118,27 @@ class _Encoder:
         )
 
 
+class _Paths(_Encoder):
+    # The tensors of a state under the names a save gives them (the encoder's own walk):
+    # only those named by their key path, never copied; NumPy values are skipped.
+    def tensor(self, value: torch.Tensor, path: str) -> str:
+        if path and path not in self.tensors:
+            self.tensors[path] = value
+        return path
+
+    def _numpy(self, value: Any, path: str) -> Any:
+        return None
+
+
+def named_tensors(state: Any) -> dict[str, torch.Tensor]:
+    """The tensors of ``state`` (a live ``state_dict()``) by the name :func:`write_state`
+    gives each in a file, for those named by their key path (``"0.weight"``,
+    ``"state.0.momentum_buffer"``): the same tensor objects, not copies."""
+    paths = _Paths()
+    paths.encode(state, "")
+    return paths.tensors
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 

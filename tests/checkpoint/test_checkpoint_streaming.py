@@ -19,6 +19,7 @@ import kwplug
 from kwplug import checkpoint
 from kwplug.checkpoint import CheckpointError
 from kwplug.checkpoint import _checksum as checksum
+from kwplug.checkpoint import _direct as direct
 from kwplug.checkpoint import _reader as reader
 
 MIB = 1 << 20
@@ -138,10 +139,13 @@ def test_round_trip_is_exact_for_every_dtype(tmp_path: Path) -> None:
 def test_load_reads_each_byte_once_per_pass_in_chunks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The model's file (loaded first, held) is read once: hashed as it is read and decoded
-    # from those bytes. The optimizer's is checked in the first pass and read again, once,
-    # when loaded. Never a whole file in one read, never safetensors' copying load(bytes).
-    accelerator, *_ = _setup(width=256, layers=4)  # 1 MiB of weights, 1 of momentum
+    # Each file is checked in the first pass, then read once more when loaded: straight into
+    # the parameters and the optimizer's state tensors, which keep their memory (no new
+    # memory). Never a whole file in one read, never safetensors' copying load(bytes).
+    accelerator, model, optimizer = _setup(width=256, layers=4)  # 1 MiB of weights, 1 of momentum
+    params = {k: (v.data_ptr(), v) for k, v in model.state_dict().items()}
+    moments = [s["momentum_buffer"] for s in optimizer.optimizer.state.values()]
+    pointers = [m.data_ptr() for m in moments]
     accelerator.save_state(tmp_path / "ckpt")
     version = _version(tmp_path / "ckpt")
     read: dict[str, int] = {}
@@ -166,20 +170,31 @@ def test_load_reads_each_byte_once_per_pass_in_chunks(
     monkeypatch.setattr(os, "pread", pread)
     monkeypatch.setattr(safetensors.torch, "load", whole)
     accelerator.load_state(tmp_path / "ckpt")
-    model = (version / "model_0.safetensors").stat().st_size
-    optimizer = (version / "optimizer_0.safetensors").stat().st_size
-    assert model > MIB and optimizer > MIB
-    assert read["model_0.safetensors"] == model  # one read: hashed and decoded
-    assert read["optimizer_0.safetensors"] == 2 * optimizer  # checked, then decoded
+    model_bytes = (version / "model_0.safetensors").stat().st_size
+    optimizer_bytes = (version / "optimizer_0.safetensors").stat().st_size
+    assert model_bytes > MIB and optimizer_bytes > MIB
+    # checked (the whole file), then read into the tensors (the header by pread)
+    assert model_bytes < read["model_0.safetensors"] <= 2 * model_bytes
+    assert optimizer_bytes < read["optimizer_0.safetensors"] <= 2 * optimizer_bytes
     assert max(sizes) <= checksum.CHUNK
+    for key, (pointer, tensor) in params.items():  # loaded in place: the same memory
+        assert model.state_dict()[key].data_ptr() == pointer, key
+    states = [s["momentum_buffer"] for s in optimizer.optimizer.state.values()]
+    assert [m.data_ptr() for m in states] == pointers
+    assert all(a is b for a, b in zip(states, moments, strict=True))
 
 
-def test_a_file_changed_after_verification_is_never_loaded(
+def _corrupt_last_value(path: Path) -> None:
+    with path.open("r+b") as handle:
+        handle.seek(-4, os.SEEK_END)
+        handle.write(b"\x00\x00\x80\x7f")  # the last float32 becomes +inf
+
+
+def test_a_file_changed_after_verification_into_a_fresh_optimizer_is_never_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The optimizer's file is verified in the first pass (shapes only), then decoded when
-    # loaded (the model's, loaded first, is decoded in the first pass: see
-    # test_checkpoint_threads.py): changed in between, it is refused on its second hash.
+    # An optimizer with no state yet is loaded from a private copy of its file, decoded once
+    # it matched: changed after the first pass, it is refused on its second hash, unloaded.
     accelerator, _, optimizer = _setup(width=64)
     accelerator.save_state(tmp_path / "ckpt")
     target = _version(tmp_path / "ckpt") / "optimizer_0.safetensors"
@@ -187,21 +202,57 @@ def test_a_file_changed_after_verification_is_never_loaded(
 
     def tamper(path: Path, expected: Any, *, shapes_only: bool = False) -> Any:
         if path == target and not shapes_only:  # verified already: now change it in place
-            with path.open("r+b") as handle:
-                handle.seek(-4, os.SEEK_END)
-                handle.write(b"\x00\x00\x80\x7f")  # the last value becomes +inf
+            _corrupt_last_value(path)
         return real(path, expected, shapes_only=shapes_only)
 
     monkeypatch.setattr(reader, "read_state", tamper)
-    states = optimizer.optimizer.state
-    assert len(states) == 2
-    for state in states.values():
-        state["momentum_buffer"].zero_()
+    optimizer.optimizer.state.clear()
     with pytest.raises(CheckpointError, match="does not match its checksum") as caught:
         accelerator.load_state(tmp_path / "ckpt")
     assert caught.value.file == str(target)
+    assert not optimizer.optimizer.state
+
+
+def test_a_file_changed_between_verification_and_a_load_in_place_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An optimizer whose state exists is read straight into it, hashed as read: a change made
+    # after the first pass (another program writing into the checkpoint) is refused by name,
+    # after the copy, and the changed value is what the state tensor holds.
+    accelerator, _, optimizer = _setup(width=64)
+    accelerator.save_state(tmp_path / "ckpt")
+    target = _version(tmp_path / "ckpt") / "optimizer_0.safetensors"
+    real = direct.read_into
+
+    def tamper(path: Path, expected: Any, live: Any) -> Any:
+        if path == target:  # verified already: now change it in place
+            _corrupt_last_value(path)
+        return real(path, expected, live)
+
+    monkeypatch.setattr(direct, "read_into", tamper)
+    with pytest.raises(CheckpointError, match="changed while it was loaded") as caught:
+        accelerator.load_state(tmp_path / "ckpt")
+    assert caught.value.file == str(target)
+    assert "hold part of it" in str(caught.value)
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        accelerator.load_state(tmp_path / "ckpt")  # the change itself: before any change
+
+
+def test_a_file_damaged_before_the_load_changes_nothing(tmp_path: Path) -> None:
+    accelerator, model, optimizer = _setup(width=64)
+    accelerator.save_state(tmp_path / "ckpt")
+    _corrupt_last_value(_version(tmp_path / "ckpt") / "optimizer_0.safetensors")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
     for state in optimizer.optimizer.state.values():
-        assert torch.count_nonzero(state["momentum_buffer"]) == 0
+        state["momentum_buffer"].zero_()
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        accelerator.load_state(tmp_path / "ckpt")
+    assert all(torch.count_nonzero(p) == 0 for p in model.parameters())
+    assert all(
+        torch.count_nonzero(s["momentum_buffer"]) == 0 for s in optimizer.optimizer.state.values()
+    )
 
 
 def test_memory_of_save_and_load_stays_near_one_file(tmp_path: Path) -> None:

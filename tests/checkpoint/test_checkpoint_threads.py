@@ -70,9 +70,13 @@ def test_the_first_pass_verifies_two_files_at_a_time(
 def test_a_held_file_changed_after_its_one_pass_loads_the_verified_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The model's file, loaded first, is decoded and hashed once, in the first pass, and its
-    # tensors held until loaded: a change made after that pass is never read.
+    # A model whose loading runs code of its own (here a load_state_dict post hook) is loaded
+    # from a private copy, not read into its parameters (:mod:`._direct`). Its file, loaded
+    # first, is decoded and hashed once, in the first pass, and its tensors held until
+    # loaded: a change made after that pass is never read.
     accelerator, model, _ = _setup()
+    hooked: list[int] = []
+    model.register_load_state_dict_post_hook(lambda *_: hooked.append(1))
     accelerator.save_state(tmp_path / "ckpt")
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     target = _file(tmp_path / "ckpt", "model_0.safetensors")
@@ -95,6 +99,7 @@ def test_a_held_file_changed_after_its_one_pass_loads_the_verified_bytes(
             param.zero_()
     accelerator.load_state(tmp_path / "ckpt")
     assert reads == [False]  # read once: decoded and hashed in the first pass, not twice
+    assert hooked == [1]
     for key, value in model.state_dict().items():
         assert torch.equal(value, saved[key]), key
     with pytest.raises(CheckpointError, match="does not match its checksum"):
