@@ -6,6 +6,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -251,12 +252,12 @@ def _decoded(
     directory: Path,
     records: dict[str, manifest.Record],
     entry: plan.Entry,
+    read: Future[tuple[Any, dict[str, str]]] | None,
 ) -> Any:
     # The state of a LATER entry, decoded from its file and verified over the decoded bytes:
-    # read into the live tensors where its object allows (:mod:`._direct`).
-    live = direct.live_state(entry.target)
-    if live is not None:
-        state, meta = direct.read_into(directory / entry.file, records[entry.file], live)
+    # ``read``, where it is being read into the live tensors (:mod:`._direct`).
+    if read is not None:
+        state, meta = read.result()
     else:
         state, meta = reader.read_state(directory / entry.file, records[entry.file])
     state = _adapted(entry.target, state, sources.modules())
@@ -351,24 +352,47 @@ def load_state(sources: CheckpointSources, input_dir: str | os.PathLike[str]) ->
         except CheckpointError as exc:
             error = exc
         sources.raise_together(error, "another rank refused", directory)
-        for entry in entries:  # verified on every rank: from here on, load
-            if entry.scope == "sharded":  # a collective: every rank, even after a refusal
-                try:
-                    entry.target.load_from(directory, records)  # type: ignore[attr-defined]
-                except CheckpointError as exc:
-                    error = error or exc
-                continue
-            if not (entry.file in states or entry.scope == "collective" or entry.sparse):
-                continue
-            if error is not None and entry.scope != "collective":
-                continue  # after a refusal, only what every rank takes part in
-            state = states.pop(entry.file, {})  # held no longer than its load
-            try:  # a file changed in place since it was verified is refused, never loaded
-                state = _decoded(sources, directory, records, entry) if state is LATER else state
-            except CheckpointError as exc:
-                error = exc
-                continue
-            entry.target.load_state_dict(state)
-            del state  # one file's tensors at a time
+        # Files read straight into live tensors make no memory: read two at a time, ahead.
+        ahead = {
+            e.file: (directory / e.file, records[e.file], live)
+            for e in entries
+            if states.get(e.file) is LATER and (live := direct.live_state(e.target)) is not None
+        }
+        with direct.reading(ahead) as reads:
+            error = _load(sources, directory, entries, states, records, reads)
         sources.raise_together(error, "another rank failed to load", directory)
         return directory
+
+
+def _load(
+    sources: CheckpointSources,
+    directory: Path,
+    entries: list[plan.Entry],
+    states: dict[str, Any],
+    records: dict[str, manifest.Record],
+    reads: dict[str, Future[tuple[Any, dict[str, str]]]],
+) -> CheckpointError | None:
+    # Load every verified entry in order; the first error, after which only the collective
+    # entries (every rank takes part) are loaded.
+    error: CheckpointError | None = None
+    for entry in entries:  # verified on every rank: from here on, load
+        if entry.scope == "sharded":  # a collective: every rank, even after a refusal
+            try:
+                entry.target.load_from(directory, records)  # type: ignore[attr-defined]
+            except CheckpointError as exc:
+                error = error or exc
+            continue
+        if not (entry.file in states or entry.scope == "collective" or entry.sparse):
+            continue
+        if error is not None and entry.scope != "collective":
+            continue  # after a refusal, only what every rank takes part in
+        state = states.pop(entry.file, {})  # held no longer than its load
+        try:  # a file changed in place since it was verified is refused (_direct: copied)
+            if state is LATER:
+                state = _decoded(sources, directory, records, entry, reads.get(entry.file))
+        except CheckpointError as exc:
+            error = exc
+            continue
+        entry.target.load_state_dict(state)
+        del state  # one file's tensors at a time
+    return error

@@ -27,7 +27,10 @@ is made either way).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +120,28 @@ def read_into(path: Path, expected: tuple[int, str], live: Any) -> tuple[Any, di
             path,
         )
     return state, meta
+
+
+@contextlib.contextmanager
+def reading(
+    files: dict[str, tuple[Path, tuple[int, str], Any]], workers: int = reader.WORKERS
+) -> Iterator[dict[str, Future[tuple[Any, dict[str, str]]]]]:
+    """Within this block, :func:`read_into` of each ``name: (path, expected, live)`` of
+    ``files`` runs ahead, ``workers`` files at a time (threads: ``preadv`` and the hashers
+    release the GIL, and reading into live tensors makes no memory however many run), in the
+    order given; the block gets each file's future by name. On leaving, the reads not started
+    are cancelled and the running ones waited for: no thread writes into a tensor after it.
+    """
+    if not files:
+        yield {}
+        return
+    with ThreadPoolExecutor(min(workers, len(files)), thread_name_prefix="kwplug-load") as pool:
+        futures = {name: pool.submit(read_into, *args) for name, args in files.items()}
+        try:
+            yield futures
+        finally:
+            for future in futures.values():
+                future.cancel()
 
 
 class _Into:
