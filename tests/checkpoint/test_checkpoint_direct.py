@@ -4,6 +4,7 @@ memory, and objects whose loading runs code of their own still loaded through it
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +158,30 @@ def test_optimizer_hooks_send_the_load_through_a_private_copy(tmp_path: Path) ->
     accelerator.load_state(tmp_path / "ckpt")
     _same(model, optimizer, saved)
     assert seen == [1]
+
+
+def test_files_read_into_live_tensors_are_read_two_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    accelerator, model, optimizer = _train(Tied(), "adam")
+    accelerator.save_state(tmp_path / "ckpt")
+    saved = _snapshot(model, optimizer)
+    real = direct.read_into
+    started: list[str] = []
+    both = threading.Event()
+    lock = threading.Lock()
+
+    def meeting(path: Path, expected: Any, live: Any) -> Any:
+        with lock:
+            started.append(threading.current_thread().name)
+            if len(started) == 2:
+                both.set()
+        both.wait(timeout=10)  # the other file's read runs meanwhile
+        return real(path, expected, live)
+
+    monkeypatch.setattr(direct, "read_into", meeting)
+    _scramble(model, optimizer)
+    accelerator.load_state(tmp_path / "ckpt")
+    assert both.is_set() and all(n.startswith("kwplug-load") for n in started)
+    _same(model, optimizer, saved)

@@ -143,7 +143,7 @@ def test_load_reads_each_byte_once_per_pass_in_chunks(
     # the parameters and the optimizer's state tensors, which keep their memory (no new
     # memory). Never a whole file in one read, never safetensors' copying load(bytes).
     accelerator, model, optimizer = _setup(width=256, layers=4)  # 1 MiB of weights, 1 of momentum
-    params = {k: (v.data_ptr(), v) for k, v in model.state_dict().items()}
+    params = {k: v.data_ptr() for k, v in model.state_dict().items()}
     moments = [s["momentum_buffer"] for s in optimizer.optimizer.state.values()]
     pointers = [m.data_ptr() for m in moments]
     accelerator.save_state(tmp_path / "ckpt")
@@ -177,7 +177,7 @@ def test_load_reads_each_byte_once_per_pass_in_chunks(
     assert model_bytes < read["model_0.safetensors"] <= 2 * model_bytes
     assert optimizer_bytes < read["optimizer_0.safetensors"] <= 2 * optimizer_bytes
     assert max(sizes) <= checksum.CHUNK
-    for key, (pointer, tensor) in params.items():  # loaded in place: the same memory
+    for key, pointer in params.items():  # loaded in place: the same memory
         assert model.state_dict()[key].data_ptr() == pointer, key
     states = [s["momentum_buffer"] for s in optimizer.optimizer.state.values()]
     assert [m.data_ptr() for m in states] == pointers
@@ -234,6 +234,8 @@ def test_a_file_changed_between_verification_and_a_load_in_place_is_refused(
         accelerator.load_state(tmp_path / "ckpt")
     assert caught.value.file == str(target)
     assert "hold part of it" in str(caught.value)
+    moments = [s["momentum_buffer"] for s in optimizer.optimizer.state.values()]
+    assert any(bool(torch.isinf(m).any()) for m in moments)  # the changed bytes, copied
     with pytest.raises(CheckpointError, match="does not match its checksum"):
         accelerator.load_state(tmp_path / "ckpt")  # the change itself: before any change
 
