@@ -1,6 +1,8 @@
 """A load's private buffers (issue 31, goal 1): the model's buffer, once its tensors are
 copied into the parameters, is read into again by the optimizer's file (no new memory made),
-and never while anything still holds what was decoded from it."""
+and never while anything still holds what was decoded from it. Private buffers are what a
+load reads into where it cannot read into the live tensors (``_direct``): a model whose
+loading runs code of its own, an optimizer with no state yet (as in a new process)."""
 
 from __future__ import annotations
 
@@ -61,16 +63,18 @@ def test_the_optimizer_is_read_into_the_models_buffer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     accelerator, model, optimizer = _setup(torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH)))
+    hooked: list[int] = []
+    model.register_load_state_dict_post_hook(lambda *_: hooked.append(1))  # a private copy
     accelerator.save_state(tmp_path / "ckpt")
     weights, momenta = _saved(model, optimizer)
     with torch.no_grad():
         for param in model.parameters():
             param.zero_()
-    for state in optimizer.optimizer.state.values():
-        state["momentum_buffer"] = torch.zeros_like(state["momentum_buffer"])
+    optimizer.optimizer.state.clear()  # no state yet: its file goes to a private copy too
     made = _made(monkeypatch)
     accelerator.load_state(tmp_path / "ckpt")
     assert len(made) == 1, made  # one buffer for both files (the model's, then reused)
+    assert hooked == [1]
     for key, value in model.state_dict().items():
         assert torch.equal(value, weights[key]), key
     loaded = [s["momentum_buffer"] for s in optimizer.optimizer.state.values()]
@@ -87,6 +91,7 @@ def test_a_buffer_still_referenced_is_never_read_into(
     accelerator, model, optimizer = _setup(Keeping(torch.nn.Linear(WIDTH, WIDTH)))
     accelerator.save_state(tmp_path / "ckpt")
     weights, momenta = _saved(model, optimizer)
+    optimizer.optimizer.state.clear()  # no state yet: its file goes to a private copy
     made = _made(monkeypatch)
     accelerator.load_state(tmp_path / "ckpt")
     kept = accelerator.unwrap_model(model).kept
