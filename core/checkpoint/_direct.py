@@ -60,6 +60,15 @@ def live_state(target: Any) -> Any | None:
     """The live ``state_dict()`` of ``target`` (a checkpoint entry's object) that its load may
     read straight into, or ``None`` where it is loaded from a private copy (see the module
     docstring)."""
+    live = _state(target)
+    # On an accelerator every tensor would be read into new CPU memory: the private copy's
+    # one buffer is cheaper to make.
+    if live is None or not any(t.is_cpu for t in codec.named_tensors(live).values()):
+        return None
+    return live
+
+
+def _state(target: Any) -> Any | None:
     if isinstance(target, torch.nn.Module):
         return target.state_dict() if _plain_module(target) else None
     if isinstance(target, torch.optim.Optimizer):
