@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import difflib
 import enum
 import warnings
 import weakref
@@ -13,16 +12,15 @@ from typing import Any
 import attrs
 import torch
 
-from kwplug import discover
 from kwplug.attached_state import attach_state
 from kwplug.comm_hooks import CommHook, HookFn, check_hook_signature
 from kwplug.errors import KwplugWarning
 from kwplug.handler import TO_KWARGS, KwargsHandler
 from kwplug.hookspecs import hookimpl
-from kwplug.plugins import ddp_comm_hooks
+from kwplug.plugins import _ddp_comm, ddp_comm_hooks
 from kwplug.plugins._ddp_frozen import is_frozen, warn_frozen
 from kwplug.plugins._ddp_sync import SyncInBackward
-from kwplug.validators import number, shown, strict_bool
+from kwplug.validators import number, strict_bool
 
 
 class DDPCommunicationHookType(str, enum.Enum):
@@ -50,21 +48,7 @@ class DDPCommunicationHookType(str, enum.Enum):
 _HOOK_VALUES = tuple(member.value for member in DDPCommunicationHookType)
 # "no" plus the table's rows that have a compression wrapper.
 _WRAPPER_VALUES = (DDPCommunicationHookType.NO.value, *ddp_comm_hooks.COMPRESSION_WRAPPERS)
-
-
-def _not_loaded() -> str:
-    # A hook named by a plugin that is installed but blocked, disabled or broken is "unknown"
-    # too; say which plugins were not loaded (they are not imported, so which hooks they
-    # provide cannot be known).
-    records = [r for r in discover() if not r.loaded and not r.builtin]
-    if not records:
-        return ""
-    listed = ", ".join(f"{r.describe()}: {r.status}" for r in records)
-    return f" (plugins installed but not loaded, one may provide it: {listed})"
-
-
-def _quoted(values: tuple[str, ...]) -> str:
-    return ", ".join(map(repr, values))
+_HOOKS_LISTED, _WRAPPERS_LISTED = _ddp_comm.quoted(_HOOK_VALUES), _ddp_comm.quoted(_WRAPPER_VALUES)
 
 
 def _to_hook_type(value: Any) -> Any:
@@ -83,7 +67,7 @@ def _check_comm_hook(instance: Any, attribute: attrs.Attribute[Any], value: Any)
     if isinstance(value, str):
         if not value.strip():
             raise ValueError(
-                f"'{attribute.name}' must not be empty: give one of {_quoted(_HOOK_VALUES)} or "
+                f"'{attribute.name}' must not be empty: give one of {_HOOKS_LISTED} or "
                 "the name of a registered communication hook"
             )
         return
@@ -91,7 +75,7 @@ def _check_comm_hook(instance: Any, attribute: attrs.Attribute[Any], value: Any)
         check_hook_signature(attribute.name, value)
         return
     raise TypeError(
-        f"'{attribute.name}' must be a DDPCommunicationHookType, one of {_quoted(_HOOK_VALUES)}, "
+        f"'{attribute.name}' must be a DDPCommunicationHookType, one of {_HOOKS_LISTED}, "
         "the name (str) of a hook registered with kwplug.register_comm_hook or contributed by "
         "a plugin, or a callable hook(state, bucket) -> torch.futures.Future[torch.Tensor]; "
         f"got {value!r} of type {type(value).__name__}"
@@ -102,7 +86,7 @@ def _check_comm_wrapper(instance: Any, attribute: attrs.Attribute[Any], value: A
     if isinstance(value, str) and value in _WRAPPER_VALUES:
         return  # every construction and hook call re-validates: no message to build
     members = "/".join(value.upper() for value in _WRAPPER_VALUES)
-    wanted = f"DDPCommunicationHookType.{members} or one of {_quoted(_WRAPPER_VALUES)}"
+    wanted = f"DDPCommunicationHookType.{members} or one of {_WRAPPERS_LISTED}"
     if not isinstance(value, str):
         raise TypeError(
             f"'{attribute.name}' must be {wanted}, got {value!r} of type {type(value).__name__}"
@@ -227,23 +211,13 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
     def _check_state_for_hook(self) -> None:
         # Cross-field check, at construction and when wrapping (not on assignment, so that
         # comm_hook and comm_state_option can be changed one after the other in any order).
-        hook, options = self.comm_hook, self.comm_state_option
-        if not options:
-            return
-        builtin = (
-            ddp_comm_hooks.BUILTIN_BY_NAME.get(hook.value)
-            if isinstance(hook, DDPCommunicationHookType)
-            else None
+        _ddp_comm.check_state_for_hook(
+            self.comm_hook, self.comm_state_option, named_builtin=self._named_builtin
         )
-        if builtin is not None and builtin.options is not None:
-            builtin.options.check(options)
-        elif isinstance(hook, DDPCommunicationHookType) or not isinstance(hook, str):
-            described = f"{str(hook)!r}" if isinstance(hook, str) else f"the callable {hook!r}"
-            raise ValueError(
-                f"comm_state_option {options!r} is given, but comm_hook {described} takes no "
-                "state options (a callable hook gets state=None); leave comm_state_option empty "
-                "or register the hook with kwplug.register_comm_hook(name, hook, make_state=...)"
-            )
+
+    @property
+    def _named_builtin(self) -> bool:
+        return isinstance(self.comm_hook, DDPCommunicationHookType)
 
     def _record(self, comm_hooks: Mapping[str, CommHook]) -> CommHook:
         """The named hook ``comm_hook`` selects.
@@ -251,32 +225,9 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
         Raises:
             ValueError: no hook has that name (the message lists the known names).
         """
-        name = str(self.comm_hook)
-        record = comm_hooks.get(name)
-        if record is None and isinstance(self.comm_hook, DDPCommunicationHookType):
-            # The built-ins come from the ddp_comm_hooks plugin; should it be missing
-            # (not installed as an entry point), the enum still means kwplug's hooks.
-            record = ddp_comm_hooks.builtin_comm_hooks()[name]
-        if record is None:
-            known = sorted({"no", *comm_hooks, *ddp_comm_hooks.BUILTIN_HOOK_NAMES})
-            by_lower = {k.lower(): k for k in known}
-            # A name longer than any known one is no typo of it (and difflib on a 10 MB
-            # string takes seconds).
-            longest = max(map(len, known))
-            close = (
-                difflib.get_close_matches(name.lower(), list(by_lower), n=1)
-                if len(name) <= 2 * longest
-                else []
-            )
-            hint = f"did you mean {by_lower[close[0]]!r}? " if close else ""
-            raise ValueError(
-                f"unknown communication hook {shown(name)} in DistributedDataParallelKwargs."
-                f"comm_hook; {hint}known hooks: {_quoted(tuple(known))}{_not_loaded()}. "
-                "Register one with "
-                "kwplug.register_comm_hook(name, hook) or contribute it from a plugin's "
-                "comm_hooks hook"
-            )
-        return record
+        return _ddp_comm.find_record(
+            str(self.comm_hook), comm_hooks, named_builtin=self._named_builtin
+        )
 
     def _hook_and_state(
         self, comm_hooks: Mapping[str, CommHook], parameters: Iterable[torch.Tensor] = ()
@@ -289,23 +240,14 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
         layout-dependent hook with ``parameters`` - the model's, in order - as the canonical
         order)."""
         self._check_state_for_hook()
-        hook_option = self.comm_hook
-        state: Any = None
-        if hook_option is DDPCommunicationHookType.NO:
-            if self.comm_wrapper == DDPCommunicationHookType.NO:
-                return None, None, None
-            record = CommHook("no", ddp_comm_hooks.mean_allreduce_hook, source="kwplug")
-        elif isinstance(hook_option, str):
-            record = self._record(comm_hooks)
-            state = record.build_state(None, self.comm_state_option)
-        else:
-            record = ddp_comm_hooks.callable_record(hook_option)
-        wrapper = (
-            ddp_comm_hooks.COMPRESSION_WRAPPERS[self.comm_wrapper.value]
-            if self.comm_wrapper != DDPCommunicationHookType.NO
-            else None
+        return _ddp_comm.hook_and_state(
+            self.comm_hook,
+            str(self.comm_wrapper),
+            self.comm_state_option,
+            comm_hooks,
+            parameters,
+            named_builtin=self._named_builtin,
         )
-        return ddp_comm_hooks.compose(record, state, parameters, wrapper=wrapper), state, record
 
     @hookimpl
     def validate_setup(self, comm_hooks: Mapping[str, CommHook]) -> None:
