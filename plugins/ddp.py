@@ -53,6 +53,16 @@ _HOOKS_LISTED, _WRAPPERS_LISTED = _ddp_comm.quoted(_HOOK_VALUES), _ddp_comm.quot
 
 def _to_hook_type(value: Any) -> Any:
     # The enum's values become members; other strings are custom hook names, kept as given.
+    # Accelerate's scripts pass None (its register_comm_hook looks the field up with
+    # dict.get: None means no hook/wrapper) and members of accelerate's own
+    # DDPCommunicationHookType (a plain Enum, not a str): both mean the same hook here.
+    if value is None:
+        return DDPCommunicationHookType.NO
+    if isinstance(value, enum.Enum) and not isinstance(value, DDPCommunicationHookType):
+        try:
+            return DDPCommunicationHookType(value.value)
+        except ValueError:
+            return value  # refused by the validator, naming the foreign member
     if isinstance(value, str) and not isinstance(value, DDPCommunicationHookType):
         try:
             return DDPCommunicationHookType(value)
@@ -101,6 +111,12 @@ def _check_str_keys(instance: Any, attribute: attrs.Attribute[Any], value: Any) 
         raise TypeError(f"'{attribute.name}' keys must be str, got {bad!r}")
 
 
+def _no_options(value: Any) -> Any:
+    # Accelerate passes comm_state_option through as given; None (no options) works there
+    # with every hook but PowerSGD's, which fails on **None. Here None is no options.
+    return {} if value is None else value
+
+
 # attrs names the field and says "must be <class 'dict'>"; the keys get their own message.
 _check_state_option = attrs.validators.and_(attrs.validators.instance_of(dict), _check_str_keys)
 
@@ -140,7 +156,9 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
             the graph do not change between steps (``_set_static_graph``).
         comm_hook: default ``DDPCommunicationHookType.NO`` (DDP's own all-reduce). One of:
             a ``DDPCommunicationHookType`` or its value (``"fp16"``, ``"bf16"``,
-            ``"power_sgd"``, ``"batched_power_sgd"``; the string is converted to the member);
+            ``"power_sgd"``, ``"batched_power_sgd"``; the string is converted to the member;
+            ``None`` and a member of Accelerate's ``DDPCommunicationHookType`` are converted
+            too, ``None`` to ``NO``, as Accelerate treats them);
             any other non-empty ``str``, the name of a hook registered with
             :func:`kwplug.register_comm_hook` or contributed by a plugin's ``comm_hooks`` hook,
             looked up when the model is wrapped; or a callable ``hook(state, bucket) ->
@@ -154,10 +172,12 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
             gather and one scatter copy of each bucket per step once DDP has rebuilt its
             buckets.
         comm_wrapper: ``DDPCommunicationHookType.NO`` (default), ``FP16`` or ``BF16`` (or
-            ``"no"``/``"fp16"``/``"bf16"``): run the hook on a float16/bfloat16 copy of each
+            ``"no"``/``"fp16"``/``"bf16"``; ``None`` is ``NO``, a member of Accelerate's enum
+            kwplug's member of its value): run the hook on a float16/bfloat16 copy of each
             bucket (:func:`kwplug.plugins.ddp_comm_hooks.fp16_compress_wrapper`). With
             ``comm_hook="no"`` the wrapper wraps a plain mean all-reduce.
-        comm_state_option: ``dict`` with ``str`` keys, default ``{}``; options of the hook's
+        comm_state_option: ``dict`` with ``str`` keys (``None`` is ``{}``), default ``{}``;
+            options of the hook's
             state, given to ``CommHook.make_state(process_group, options)``. For
             ``"power_sgd"``/``"batched_power_sgd"`` they are keyword arguments of
             ``PowerSGDState`` (e.g. ``{"matrix_approximation_rank": 2,
@@ -201,6 +221,7 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
     )
     comm_state_option: dict[str, Any] = attrs.field(
         default=attrs.Factory(dict),
+        converter=_no_options,
         validator=_check_state_option,
         metadata={TO_KWARGS: False},
     )
