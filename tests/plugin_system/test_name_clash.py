@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,78 @@ def test_loading_a_builtin_by_hand_first_registers_it_once(kwplug_plugins: Plugi
     accelerator = kwplug.Accelerator(cpu=True)
     plugins = [p for _, p in accelerator.plugin_manager.list_name_plugin()]
     assert len(plugins) == len({id(p) for p in plugins})
+
+
+def _clash_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if "names clash" in str(w.message)]
+
+
+def test_a_third_party_name_equal_to_a_builtin_is_reported_and_shadows_nothing(
+    kwplug_plugins: PluginSandbox, modules: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = write(
+        modules,
+        "kwplug_clash_fsdp",
+        """
+        from typing import ClassVar
+
+        import attrs
+        import kwplug
+
+        @attrs.define
+        class OtherSharding(kwplug.KwargsHandler):
+            register_default: ClassVar[bool] = True
+
+            @kwplug.hookimpl
+            def no_sync(self, model):
+                return None
+        """,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kwplug_plugins.add(
+            f"{name}:OtherSharding", name="fsdp", distribution="kwplug-x", version="1.2"
+        )
+    (message,) = _clash_warnings(caught)
+    assert "'fsdp'" in message
+    assert "kwplug-x 1.2 (third-party)" in message and "(built-in)" in message
+    records = [r for r in kwplug.discover() if r.name == "fsdp"]
+    assert sorted((r.distribution, r.status) for r in records) == [
+        ("kwplug", "loaded"),
+        ("kwplug-x", "loaded"),
+    ]
+    # Neither is dropped: the third-party default is registered beside the built-in.
+    accelerator = kwplug.Accelerator(cpu=True)
+    registered = dict(accelerator.plugin_manager.list_name_plugin())
+    assert type(registered["kwplug-x:fsdp"]) is sys.modules[name].OtherSharding
+    # A bare name in a config file is ambiguous: an error naming both.
+    with pytest.raises(
+        kwplug.errors.ConfigError, match="kwplug-x:fsdp.*kwplug:fsdp|kwplug:fsdp.*kwplug-x:fsdp"
+    ):
+        kwplug.Accelerator.from_config({"handlers": {"fsdp": {}}})
+    # `kwplug plugins` prints the clash under its table.
+    assert kwplug.cli.main(["plugins"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "name clash" in line]
+    assert lines == [
+        "name clash: 'fsdp' is declared by kwplug-x 1.2 (third-party) and kwplug 0.1.0 "
+        "(built-in); each loads as its own plugin, select one by 'kwplug-x:fsdp' or "
+        "'kwplug:fsdp'"
+    ]
+
+
+def test_two_third_party_distributions_with_one_name_are_reported(
+    kwplug_plugins: PluginSandbox, modules: Path
+) -> None:
+    first = write(modules, "kwplug_clash_a", "X = 1\n")
+    second = write(modules, "kwplug_clash_b", "X = 2\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kwplug_plugins.add(first, name="tool", distribution="kwplug-a")
+        kwplug_plugins.add(second, name="tool", distribution="kwplug-b")
+    (message,) = _clash_warnings(caught)
+    assert "'tool'" in message and "kwplug-a 0.0.0" in message and "kwplug-b 0.0.0" in message
+    assert {r.distribution for r in kwplug.discover() if r.name == "tool"} == {
+        "kwplug-a",
+        "kwplug-b",
+    }
+    kwplug.Accelerator(cpu=True)  # never crashes the run
