@@ -16,7 +16,7 @@ import attrs
 from kwplug._cli import child as _cli_child
 from kwplug._cli.env_report import env_report, format_report
 from kwplug._cli.launch import add_launch_parser
-from kwplug._plugins import LoadControls, PluginRecord, discover, strict_error
+from kwplug._plugins import LoadControls, PluginRecord, clash_lines, discover, strict_error
 from kwplug.errors import PluginLoadError
 
 COLUMNS = ("name", "class", "distribution", "version", "hooks", "status", "source")
@@ -247,6 +247,9 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     records = _records()
     rows = plugin_rows(records)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    if not args.json:  # the JSON rows hold every name and distribution already
+        for line in clash_lines(records):
+            print(line)
     return _report_failures(records)
 
 

@@ -28,7 +28,8 @@ class KwplugWarning(UserWarning):
 
 
 class PluginLoadWarning(KwplugWarning):
-    """A handler plugin could not be loaded, or a loading control names no plugin.
+    """A handler plugin could not be loaded, a loading control names no plugin, or several
+    distributions declare one entry-point name (a name clash; neither plugin is dropped).
 
     Attributes:
         plugin: the entry-point name, or ``None`` (a loading control naming no plugin).

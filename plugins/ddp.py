@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import difflib
 import enum
 import warnings
 import weakref
@@ -13,16 +12,15 @@ from typing import Any
 import attrs
 import torch
 
-from kwplug import discover
 from kwplug.attached_state import attach_state
 from kwplug.comm_hooks import CommHook, HookFn, check_hook_signature
 from kwplug.errors import KwplugWarning
 from kwplug.handler import TO_KWARGS, KwargsHandler
 from kwplug.hookspecs import hookimpl
-from kwplug.plugins import ddp_comm_hooks
+from kwplug.plugins import _ddp_comm, ddp_comm_hooks
 from kwplug.plugins._ddp_frozen import is_frozen, warn_frozen
 from kwplug.plugins._ddp_sync import SyncInBackward
-from kwplug.validators import number, shown, strict_bool
+from kwplug.validators import number, strict_bool
 
 
 class DDPCommunicationHookType(str, enum.Enum):
@@ -50,25 +48,21 @@ class DDPCommunicationHookType(str, enum.Enum):
 _HOOK_VALUES = tuple(member.value for member in DDPCommunicationHookType)
 # "no" plus the table's rows that have a compression wrapper.
 _WRAPPER_VALUES = (DDPCommunicationHookType.NO.value, *ddp_comm_hooks.COMPRESSION_WRAPPERS)
-
-
-def _not_loaded() -> str:
-    # A hook named by a plugin that is installed but blocked, disabled or broken is "unknown"
-    # too; say which plugins were not loaded (they are not imported, so which hooks they
-    # provide cannot be known).
-    records = [r for r in discover() if not r.loaded and not r.builtin]
-    if not records:
-        return ""
-    listed = ", ".join(f"{r.describe()}: {r.status}" for r in records)
-    return f" (plugins installed but not loaded, one may provide it: {listed})"
-
-
-def _quoted(values: tuple[str, ...]) -> str:
-    return ", ".join(map(repr, values))
+_HOOKS_LISTED, _WRAPPERS_LISTED = _ddp_comm.quoted(_HOOK_VALUES), _ddp_comm.quoted(_WRAPPER_VALUES)
 
 
 def _to_hook_type(value: Any) -> Any:
     # The enum's values become members; other strings are custom hook names, kept as given.
+    # Accelerate's scripts pass None (its register_comm_hook looks the field up with
+    # dict.get: None means no hook/wrapper) and members of accelerate's own
+    # DDPCommunicationHookType (a plain Enum, not a str): both mean the same hook here.
+    if value is None:
+        return DDPCommunicationHookType.NO
+    if isinstance(value, enum.Enum) and not isinstance(value, DDPCommunicationHookType):
+        try:
+            return DDPCommunicationHookType(value.value)
+        except ValueError:
+            return value  # refused by the validator, naming the foreign member
     if isinstance(value, str) and not isinstance(value, DDPCommunicationHookType):
         try:
             return DDPCommunicationHookType(value)
@@ -83,7 +77,7 @@ def _check_comm_hook(instance: Any, attribute: attrs.Attribute[Any], value: Any)
     if isinstance(value, str):
         if not value.strip():
             raise ValueError(
-                f"'{attribute.name}' must not be empty: give one of {_quoted(_HOOK_VALUES)} or "
+                f"'{attribute.name}' must not be empty: give one of {_HOOKS_LISTED} or "
                 "the name of a registered communication hook"
             )
         return
@@ -91,7 +85,7 @@ def _check_comm_hook(instance: Any, attribute: attrs.Attribute[Any], value: Any)
         check_hook_signature(attribute.name, value)
         return
     raise TypeError(
-        f"'{attribute.name}' must be a DDPCommunicationHookType, one of {_quoted(_HOOK_VALUES)}, "
+        f"'{attribute.name}' must be a DDPCommunicationHookType, one of {_HOOKS_LISTED}, "
         "the name (str) of a hook registered with kwplug.register_comm_hook or contributed by "
         "a plugin, or a callable hook(state, bucket) -> torch.futures.Future[torch.Tensor]; "
         f"got {value!r} of type {type(value).__name__}"
@@ -102,7 +96,7 @@ def _check_comm_wrapper(instance: Any, attribute: attrs.Attribute[Any], value: A
     if isinstance(value, str) and value in _WRAPPER_VALUES:
         return  # every construction and hook call re-validates: no message to build
     members = "/".join(value.upper() for value in _WRAPPER_VALUES)
-    wanted = f"DDPCommunicationHookType.{members} or one of {_quoted(_WRAPPER_VALUES)}"
+    wanted = f"DDPCommunicationHookType.{members} or one of {_WRAPPERS_LISTED}"
     if not isinstance(value, str):
         raise TypeError(
             f"'{attribute.name}' must be {wanted}, got {value!r} of type {type(value).__name__}"
@@ -115,6 +109,12 @@ def _check_str_keys(instance: Any, attribute: attrs.Attribute[Any], value: Any) 
     bad = [key for key in value if not isinstance(key, str)]
     if bad:
         raise TypeError(f"'{attribute.name}' keys must be str, got {bad!r}")
+
+
+def _no_options(value: Any) -> Any:
+    # Accelerate passes comm_state_option through as given; None (no options) works there
+    # with every hook but PowerSGD's, which fails on **None. Here None is no options.
+    return {} if value is None else value
 
 
 # attrs names the field and says "must be <class 'dict'>"; the keys get their own message.
@@ -156,7 +156,9 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
             the graph do not change between steps (``_set_static_graph``).
         comm_hook: default ``DDPCommunicationHookType.NO`` (DDP's own all-reduce). One of:
             a ``DDPCommunicationHookType`` or its value (``"fp16"``, ``"bf16"``,
-            ``"power_sgd"``, ``"batched_power_sgd"``; the string is converted to the member);
+            ``"power_sgd"``, ``"batched_power_sgd"``; the string is converted to the member;
+            ``None`` and a member of Accelerate's ``DDPCommunicationHookType`` are converted
+            too, ``None`` to ``NO``, as Accelerate treats them);
             any other non-empty ``str``, the name of a hook registered with
             :func:`kwplug.register_comm_hook` or contributed by a plugin's ``comm_hooks`` hook,
             looked up when the model is wrapped; or a callable ``hook(state, bucket) ->
@@ -170,10 +172,12 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
             gather and one scatter copy of each bucket per step once DDP has rebuilt its
             buckets.
         comm_wrapper: ``DDPCommunicationHookType.NO`` (default), ``FP16`` or ``BF16`` (or
-            ``"no"``/``"fp16"``/``"bf16"``): run the hook on a float16/bfloat16 copy of each
+            ``"no"``/``"fp16"``/``"bf16"``; ``None`` is ``NO``, a member of Accelerate's enum
+            kwplug's member of its value): run the hook on a float16/bfloat16 copy of each
             bucket (:func:`kwplug.plugins.ddp_comm_hooks.fp16_compress_wrapper`). With
             ``comm_hook="no"`` the wrapper wraps a plain mean all-reduce.
-        comm_state_option: ``dict`` with ``str`` keys, default ``{}``; options of the hook's
+        comm_state_option: ``dict`` with ``str`` keys (``None`` is ``{}``), default ``{}``;
+            options of the hook's
             state, given to ``CommHook.make_state(process_group, options)``. For
             ``"power_sgd"``/``"batched_power_sgd"`` they are keyword arguments of
             ``PowerSGDState`` (e.g. ``{"matrix_approximation_rank": 2,
@@ -217,6 +221,7 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
     )
     comm_state_option: dict[str, Any] = attrs.field(
         default=attrs.Factory(dict),
+        converter=_no_options,
         validator=_check_state_option,
         metadata={TO_KWARGS: False},
     )
@@ -227,23 +232,13 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
     def _check_state_for_hook(self) -> None:
         # Cross-field check, at construction and when wrapping (not on assignment, so that
         # comm_hook and comm_state_option can be changed one after the other in any order).
-        hook, options = self.comm_hook, self.comm_state_option
-        if not options:
-            return
-        builtin = (
-            ddp_comm_hooks.BUILTIN_BY_NAME.get(hook.value)
-            if isinstance(hook, DDPCommunicationHookType)
-            else None
+        _ddp_comm.check_state_for_hook(
+            self.comm_hook, self.comm_state_option, named_builtin=self._named_builtin
         )
-        if builtin is not None and builtin.options is not None:
-            builtin.options.check(options)
-        elif isinstance(hook, DDPCommunicationHookType) or not isinstance(hook, str):
-            described = f"{str(hook)!r}" if isinstance(hook, str) else f"the callable {hook!r}"
-            raise ValueError(
-                f"comm_state_option {options!r} is given, but comm_hook {described} takes no "
-                "state options (a callable hook gets state=None); leave comm_state_option empty "
-                "or register the hook with kwplug.register_comm_hook(name, hook, make_state=...)"
-            )
+
+    @property
+    def _named_builtin(self) -> bool:
+        return isinstance(self.comm_hook, DDPCommunicationHookType)
 
     def _record(self, comm_hooks: Mapping[str, CommHook]) -> CommHook:
         """The named hook ``comm_hook`` selects.
@@ -251,32 +246,9 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
         Raises:
             ValueError: no hook has that name (the message lists the known names).
         """
-        name = str(self.comm_hook)
-        record = comm_hooks.get(name)
-        if record is None and isinstance(self.comm_hook, DDPCommunicationHookType):
-            # The built-ins come from the ddp_comm_hooks plugin; should it be missing
-            # (not installed as an entry point), the enum still means kwplug's hooks.
-            record = ddp_comm_hooks.builtin_comm_hooks()[name]
-        if record is None:
-            known = sorted({"no", *comm_hooks, *ddp_comm_hooks.BUILTIN_HOOK_NAMES})
-            by_lower = {k.lower(): k for k in known}
-            # A name longer than any known one is no typo of it (and difflib on a 10 MB
-            # string takes seconds).
-            longest = max(map(len, known))
-            close = (
-                difflib.get_close_matches(name.lower(), list(by_lower), n=1)
-                if len(name) <= 2 * longest
-                else []
-            )
-            hint = f"did you mean {by_lower[close[0]]!r}? " if close else ""
-            raise ValueError(
-                f"unknown communication hook {shown(name)} in DistributedDataParallelKwargs."
-                f"comm_hook; {hint}known hooks: {_quoted(tuple(known))}{_not_loaded()}. "
-                "Register one with "
-                "kwplug.register_comm_hook(name, hook) or contribute it from a plugin's "
-                "comm_hooks hook"
-            )
-        return record
+        return _ddp_comm.find_record(
+            str(self.comm_hook), comm_hooks, named_builtin=self._named_builtin
+        )
 
     def _hook_and_state(
         self, comm_hooks: Mapping[str, CommHook], parameters: Iterable[torch.Tensor] = ()
@@ -289,23 +261,14 @@ class DistributedDataParallelKwargs(SyncInBackward, KwargsHandler):
         layout-dependent hook with ``parameters`` - the model's, in order - as the canonical
         order)."""
         self._check_state_for_hook()
-        hook_option = self.comm_hook
-        state: Any = None
-        if hook_option is DDPCommunicationHookType.NO:
-            if self.comm_wrapper == DDPCommunicationHookType.NO:
-                return None, None, None
-            record = CommHook("no", ddp_comm_hooks.mean_allreduce_hook, source="kwplug")
-        elif isinstance(hook_option, str):
-            record = self._record(comm_hooks)
-            state = record.build_state(None, self.comm_state_option)
-        else:
-            record = ddp_comm_hooks.callable_record(hook_option)
-        wrapper = (
-            ddp_comm_hooks.COMPRESSION_WRAPPERS[self.comm_wrapper.value]
-            if self.comm_wrapper != DDPCommunicationHookType.NO
-            else None
+        return _ddp_comm.hook_and_state(
+            self.comm_hook,
+            str(self.comm_wrapper),
+            self.comm_state_option,
+            comm_hooks,
+            parameters,
+            named_builtin=self._named_builtin,
         )
-        return ddp_comm_hooks.compose(record, state, parameters, wrapper=wrapper), state, record
 
     @hookimpl
     def validate_setup(self, comm_hooks: Mapping[str, CommHook]) -> None:

@@ -17,6 +17,7 @@ not carry out is an error naming it.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -133,6 +134,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         k: v for k, v in vars(args).items() if v is not None and k not in ("func", "config_file")
     }
     settings = {**config, **given}
+    # Where each value came from, for error messages (launch_sharding.origin).
+    settings[_launch_sharding.GIVEN] = frozenset(given)
+    settings[_launch_sharding.FILE] = path
     _launch_sharding.resolve(settings, args)
     settings["cpu"] = bool(args.cpu or config.get("use_cpu", False))
     if settings.get("mixed_precision") is not None:
@@ -162,6 +166,7 @@ def torchrun_arguments(settings: Mapping[str, Any]) -> tuple[list[str], dict[str
 
     Raises:
         ValueError: a count below 1, ``num_processes`` not a multiple of ``num_machines``,
+            parallelism sizes whose product is not ``num_processes`` (all 1 excepted),
             several machines without ``main_process_ip``/``main_process_port`` (as
             Accelerate), or ``--module`` with ``--no_python``.
     """
@@ -208,7 +213,55 @@ def torchrun_arguments(settings: Mapping[str, Any]) -> tuple[list[str], dict[str
     if settings.get("no_python"):
         argv.append("--no-python")
     argv += [str(settings["training_script"]), *settings.get("training_script_args", [])]
-    return argv, _environment(settings)
+    env = _environment(settings)
+    _check_sizes(settings, total)  # in the launcher, not in every rank
+    return argv, env
+
+
+_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+
+
+def _check_sizes(settings: Mapping[str, Any], processes: int) -> None:
+    """Refuse a ``ParallelismConfig`` whose sizes' product is not the number of processes,
+    before any process starts (the plugin's ``validate_setup`` would refuse it in every rank).
+    All sizes 1 is accepted: the script's ``ParallelismConfig`` then replicates over every
+    process (``dp_replicate_size`` = the number of processes, as Accelerate).
+
+    Args:
+        settings: the launch settings (types already checked by
+            :func:`kwplug._cli.launch_sharding.environment`).
+        processes: the number of processes in all, as the launcher computed it.
+
+    Raises:
+        ValueError: the product differs; the message names each size's flag or config key
+            with its value, the product, and where the number of processes came from.
+    """
+    if not settings.get("use_parallelism_config"):
+        return
+    sizes = {
+        name: int(str(_launch_sharding.value_of(settings, f"parallelism_config_{name}")))
+        for name in _SIZES
+    }
+    product = math.prod(sizes.values())
+    if product in (1, processes):
+        return
+    named = "; ".join(
+        _launch_sharding.origin(
+            settings, f"parallelism_config_{name}", "parallelism_config"
+        ).removesuffix(": ")
+        for name, size in sizes.items()
+        if size != 1
+    )
+    counted = (
+        _launch_sharding.origin(settings, "num_processes").removesuffix(": ")
+        if settings.get("num_processes") is not None
+        else "the default number of processes"
+    )
+    raise ValueError(
+        f"the parallelism sizes multiply to {product} ({' x '.join(map(str, sizes.values()))} "
+        f"= {' x '.join(_SIZES)}) but {processes} process(es) would start ({counted}); "
+        f"they must be equal (or every size 1). Sizes: {named}"
+    )
 
 
 def _environment(settings: Mapping[str, Any]) -> dict[str, str]:

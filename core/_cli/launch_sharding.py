@@ -20,13 +20,18 @@ from typing import Any
 from kwplug.utils.environment import patch_environment, str_to_bool
 
 __all__ = [
+    "FILE",
     "FLAGS",
+    "GIVEN",
+    "WRITTEN",
     "add_flags",
     "check_environment",
     "check_flags",
     "config_settings",
     "environment",
+    "origin",
     "resolve",
+    "value_of",
 ]
 
 #: Accelerate's ``--fsdp_*`` and ``--parallelism_config_*`` flags with their defaults and types.
@@ -58,6 +63,10 @@ FLAGS: Mapping[str, tuple[Any, Callable[[str], Any]]] = {
     "parallelism_config_sp_seq_length_is_variable": (True, bool),
     "parallelism_config_sp_attn_implementation": ("sdpa", str),
 }
+#: Keys of the launch settings that say where each value came from (set by
+#: :func:`config_settings` and ``kwplug._cli.launch._settings``), so that an error names what
+#: the user wrote -- a flag, a config file key as spelt there -- or says the value is a default.
+WRITTEN, GIVEN, FILE = "origin_config_keys", "origin_flags", "origin_file"
 #: A config file's ``fsdp_config`` key with no flag (Accelerate reads it if present).
 _CONFIG_ONLY = {"fsdp_ignored_modules": None}
 
@@ -119,13 +128,15 @@ def config_settings(file: str, data: Mapping[str, Any]) -> dict[str, Any]:
     """A config file's ``fsdp_config`` and ``parallelism_config`` as flat launch settings
     (``fsdp_config``'s keys get Accelerate's ``fsdp_`` prefix when they lack it), plus
     ``config_use_fsdp: True`` for ``distributed_type: FSDP`` and
-    ``config_use_parallelism_config: True`` for a non-empty ``parallelism_config``.
+    ``config_use_parallelism_config: True`` for a non-empty ``parallelism_config``, and
+    ``{WRITTEN: {flat name: "section.key as written"}}`` (what error messages name).
 
     Raises:
         ValueError: a key that is no ``accelerate launch`` flag (names the file and key), or
             a section that is not a mapping.
     """
     settings: dict[str, Any] = {}
+    written: dict[str, str] = {}  # flat name -> the key as the file spells it
     if data.get("distributed_type") == "FSDP":
         settings["config_use_fsdp"] = True
     if data.get("parallelism_config"):
@@ -142,6 +153,9 @@ def config_settings(file: str, data: Mapping[str, Any]) -> dict[str, Any]:
                     f"{sorted(n for n in (*FLAGS, *_CONFIG_ONLY) if n.startswith(section[:4]))}"
                 )
             settings[name] = value
+            written[name] = f"{section}.{key}"
+    if written:  # else nothing to name: the file has neither section
+        settings[WRITTEN] = written
     return settings
 
 
@@ -156,7 +170,9 @@ def resolve(settings: dict[str, Any], args: argparse.Namespace) -> None:
     settings.pop("config_use_parallelism_config", None)
 
 
-def _value(settings: Mapping[str, Any], name: str) -> Any:
+def value_of(settings: Mapping[str, Any], name: str) -> Any:
+    """The setting ``name``: given on the command line or in the config file, else the flag's
+    ``accelerate launch`` default (:data:`FLAGS`)."""
     value = settings.get(name)
     return FLAGS[name][0] if value is None and name in FLAGS else value
 
@@ -171,7 +187,7 @@ def environment(settings: Mapping[str, Any]) -> dict[str, str]:
             (Accelerate's check); a value kwplug's plugin refuses (see
             :func:`check_environment`).
     """
-    v = _value
+    v = value_of
     _check_types(settings)
     env: dict[str, str] = {}
     if settings.get("use_fsdp"):
@@ -270,10 +286,10 @@ def _check_types(settings: Mapping[str, Any]) -> None:
     ]
     for names, section in used:
         for name in names:
-            value = _value(settings, name)
+            value = value_of(settings, name)
             if value is None:
                 continue
-            where = f"--{name} (config file: {section}.{name}) = {value!r}: "
+            where = origin(settings, name, section)
             if name in _BOOLS and not _is_truth(value):
                 raise ValueError(
                     f"{where}not a boolean (true/false, yes/no, on/off, 1/0, as accelerate "
@@ -312,4 +328,37 @@ def _named(message: str, settings: Mapping[str, Any]) -> str:
         flag, section = f"parallelism_config_{field}", "parallelism_config"
     else:
         flag, section = _FSDP_FIELD_FLAGS.get(field, f"fsdp_{field}"), "fsdp_config"
-    return f"--{flag} (config file: {section}.{flag}) = {_value(settings, flag)!r}: "
+    return origin(settings, flag, section)
+
+
+def origin(settings: Mapping[str, Any], name: str, section: str | None = None) -> str:
+    """How an error names the launch setting ``name`` and its value: the flag the command
+    line gave, the config file key as written there, or -- set by neither -- that it is
+    ``accelerate launch``'s default and where to set it; ends with ``": "``.
+
+    Args:
+        settings: the launch settings (see :func:`config_settings` for the origin keys).
+        name: the flag's name without ``--`` (``"fsdp_version"``, ``"num_processes"``).
+        section: the config file section the key belongs in (``"fsdp_config"``,
+            ``"parallelism_config"``), ``None`` for a top-level key.
+    """
+    value = value_of(settings, name)
+    if name in settings.get(GIVEN, ()):
+        return f"--{name} = {value!r}: "
+    written = settings.get(WRITTEN, {}).get(name)
+    if written is None and section is None and name in settings:
+        written = name  # a top-level key of the file
+    if written is not None:
+        return f"--{name} (config file: {written}) = {value!r}: "
+    key = f"{section}.{name}" if section else name
+    entry = f"{section}: {{{name}: ...}}" if section else f"{name}: ..."
+    in_file = settings.get(FILE)
+    unset = (
+        f"--{name} is not set on the command line and the config file {in_file} has no {key}"
+        if in_file
+        else f"--{name} is not set (no config file)"
+    )
+    return (
+        f"{unset}, so accelerate launch's default {value!r} applies (pass --{name}, or write "
+        f"`{entry}` in the config file): "
+    )

@@ -14,6 +14,7 @@ it each own one concern:
 - ``_relays``: the typed hook relays, ``plugins.first.<hook>(...)`` / ``plugins.each.<hook>(...)``.
 - ``_calls``: ``HookCalls``, the one caller: record, run through pluggy's ``_hookexec``, answer.
 - ``_conflicts``: two third-party defaults claiming one one-answer hook.
+- ``_clashes``: one entry-point name declared by several distributions (warned, listed).
 - ``_reuse``: :func:`manager_for`, an Accelerator's manager copied from a template.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from kwplug._plugins._cache import EntryPointLike
 from kwplug._plugins._calls import Answer
+from kwplug._plugins._clashes import clash_lines
 from kwplug._plugins._controls import LoadControls, control_name
 from kwplug._plugins._discovery import (
     discover,
@@ -49,6 +51,7 @@ __all__ = [
     "KwplugPluginManager",
     "LoadControls",
     "PluginRecord",
+    "clash_lines",
     "control_name",
     "device_types_problem",
     "discover",

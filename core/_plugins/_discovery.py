@@ -33,6 +33,7 @@ import attrs
 
 from kwplug._plugins import _cache
 from kwplug._plugins._cache import CachedDistribution, CachedEntryPoint, EntryPointLike
+from kwplug._plugins._clashes import warn_clashes
 from kwplug._plugins._controls import LoadControls
 from kwplug._plugins._guard import kwplug_kept, preload
 from kwplug._plugins._manager import KwplugPluginManager
@@ -375,7 +376,9 @@ def _discover(controls: LoadControls) -> tuple[PluginRecord, ...]:
             )
     if controls.allow or controls.block:
         _warn_unknown_once(controls, tuple(sorted((r.name, r.distribution) for r in records)))
-    return tuple(sorted(records, key=_order_key))
+    ordered = tuple(sorted(records, key=_order_key))
+    warn_clashes(ordered)  # once per set of controls, as this function is cached
+    return ordered
 
 
 def strict_error(records: tuple[PluginRecord, ...]) -> PluginLoadError | None:

@@ -143,7 +143,9 @@ class KwplugPluginManager(pluggy.PluginManager):
         Order of answers: built-in defaults are registered first, then third-party defaults,
         then the user's handlers (last in the list first), so pluggy asks the user's handlers
         first. A default handler class is skipped when the user passed an instance of it or of
-        a subclass (the subclass replaces it), or when its ``register_default`` is false. Each
+        a subclass (the subclass replaces it), or when its ``register_default`` is false. An
+        object named by several entry points is registered once (by identity; a built-in's
+        record wins over a third-party one naming the same class or module). Each
         Accelerator has its own manager and registers objects under explicit names, so equal
         (by value) handlers in two Accelerators never collide.
 
@@ -157,18 +159,29 @@ class KwplugPluginManager(pluggy.PluginManager):
         """
         pm = cls()
         defaults: list[tuple[str, str, Any, bool]] = []
-        seen: set[type] = set()
-        for r in loaded(records):
+        usable = loaded(records)
+        # Registered by identity, once: two entry points may name one class or module (a
+        # checkout's kwplug.egg-info on sys.path declares every built-in again, as a
+        # third-party "kwplug"), and pluggy refuses a second registration of one object or
+        # of one name. The built-in's record wins, so the object keeps its built-in name and
+        # standing; the clash itself is reported by discovery.
+        builtin_objects = {id(r.obj) for r in usable if r.builtin}
+        names = {f"{r.distribution}:{r.name}" for r in usable if r.builtin}
+        seen: set[int] = set()
+        for r in usable:
             handler_class = r.handler_class
+            if id(r.obj) in seen or (not r.builtin and id(r.obj) in builtin_objects):
+                continue
             if handler_class is not None and (
                 not handler_class.register_default
-                or handler_class in seen  # two entry points naming one class: first one wins
                 or any(isinstance(h, handler_class) for h in handlers)
             ):
                 continue
-            if handler_class is not None:
-                seen.add(handler_class)
+            seen.add(id(r.obj))
             name = f"{r.distribution}:{r.name}"
+            if not r.builtin:
+                name = _unique(name, names)
+                names.add(name)
             defaults.append((name, f"default plugin {r.describe()}", plugin_object(r), r.builtin))
         for name, description, obj, builtin in reversed(defaults):
             pm.register_plugin(obj, name, description, third_party=not builtin)
@@ -326,3 +339,14 @@ class KwplugPluginManager(pluggy.PluginManager):
         for name, answer in running[1]:
             who = "the per-call handler" if name == PER_CALL else self.describe(name)
             trace_logger.info("hook %s answered by %s: %r", hook, who, answer)
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    # A third-party plugin whose "distribution:name" is a built-in's (a foreign metadata
+    # folder named kwplug) or another's gets a suffix instead of crashing pluggy.
+    if name not in taken:
+        return name
+    candidate, n = f"{name}#third-party", 2
+    while candidate in taken:
+        candidate, n = f"{name}#third-party-{n}", n + 1
+    return candidate

@@ -34,6 +34,7 @@ from kwplug.comm_hooks import CommHook, merge_comm_hooks
 from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import AutocastFactory
 from kwplug.precision import MIXED_PRECISION, LossScaler, check_loss_scaler
+from kwplug.utils.device_mesh import submesh
 from kwplug.validators import shown
 
 logger = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def _data_parallel(mesh: Any, info: ProcessInfo) -> tuple[int, int]:
     if mesh is None:
         return info.world_size, info.rank
     try:
-        dp = mesh["dp"]
+        dp = submesh(mesh, "dp")  # a flattened dim: torch warns on mesh["dp"]
     except (KeyError, RuntimeError, ValueError):
         return 1, 0
     return int(dp.size()), int(dp.get_local_rank())

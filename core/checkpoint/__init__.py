@@ -15,7 +15,9 @@ this face exports, no module of the package (``tests/gates/test_layers.py``):
 - :func:`is_sharded` / :func:`full_model_state`: a ``DTensor`` model's full state dict
   (``get_state_dict``, ``save_model``);
 - :func:`attach_state` / :func:`attached_states`: :mod:`kwplug.attached_state`'s, for wrapper
-  plugins (which import that module: a plugin never imports this package).
+  plugins (which import that module: a plugin never imports this package);
+- :func:`load_resized_hooks`: the resize step of a resume on another number of processes,
+  for :func:`kwplug.testing.resize_hook_state` (a plugin author's test of a ``resize`` rule).
 
 One module per concern:
 
@@ -56,6 +58,7 @@ from kwplug.checkpoint._commit import STEPS, is_complete, resolve_checkpoint
 from kwplug.checkpoint._layout import MARKER
 from kwplug.checkpoint._naming import load as load_project_state
 from kwplug.checkpoint._naming import save as save_project_state
+from kwplug.checkpoint._resize import load_resized_hooks
 from kwplug.checkpoint._runs import RunIdentity
 from kwplug.checkpoint._sharded import full_model_state, is_sharded
 from kwplug.checkpoint._sources import CheckpointSources, StatePreHooks
@@ -76,6 +79,7 @@ __all__ = [
     "is_complete",
     "is_sharded",
     "load_project_state",
+    "load_resized_hooks",
     "load_state",
     "register_for_checkpointing",
     "resolve_checkpoint",

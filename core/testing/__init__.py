@@ -7,7 +7,8 @@ or keeps, ``KWPLUG_*`` variables cleared); ``kwplug_plugin_manager`` is the
 ``pluggy.PluginManager`` built in that sandbox. :func:`check_handler` is the conformance check
 of a handler class, :func:`run_distributed` calls a function in N CPU processes under
 torchrun (gloo), :func:`run_script` runs a script there and :func:`run_torchrun` returns such
-a job's exit status and output. The fixtures need pytest
+a job's exit status and output, and :func:`resize_hook_state` applies a communication hook's
+``resize`` rule as a resume on another number of processes does. The fixtures need pytest
 (``pip install "kwplug[testing]"``).
 """
 
@@ -17,6 +18,7 @@ from kwplug.errors import DistributedRunError
 from kwplug.testing.conformance import check_handler, conformance_problems
 from kwplug.testing.distributed import free_port, run_distributed, run_script, run_torchrun
 from kwplug.testing.fixtures import kwplug_plugin_manager, kwplug_plugins
+from kwplug.testing.resize import resize_hook_state
 from kwplug.testing.sandbox import PluginSandbox
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "free_port",
     "kwplug_plugin_manager",
     "kwplug_plugins",
+    "resize_hook_state",
     "run_distributed",
     "run_script",
     "run_torchrun",

@@ -14,6 +14,7 @@ from kwplug.handler import KwargsHandler
 from kwplug.hookspecs import hookimpl
 from kwplug.plugins.fsdp import _fields, _shard
 from kwplug.utils.dataclasses import DistributedType
+from kwplug.utils.device_mesh import submesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -266,9 +267,10 @@ def _fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     # over dp_replicate (HSDP: a 2-D mesh for fully_shard).
     names = mesh.mesh_dim_names or ()
     try:
+        # dp_shard_cp is a flattened dim: slicing it from the root mesh warns on torch 2.11+.
         if "dp_replicate" in names:
-            return mesh["dp_replicate", "dp_shard_cp"]
-        return mesh["dp_shard_cp"]
+            return submesh(mesh, "dp_replicate", "dp_shard_cp")
+        return submesh(mesh, "dp_shard_cp")
     except KeyError:
         raise ValueError(
             "FullyShardedDataParallelPlugin: the ParallelismConfig leaves no dimension to shard "

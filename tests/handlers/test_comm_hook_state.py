@@ -15,11 +15,10 @@ import torch
 import torch.distributed as dist
 
 import kwplug
-from kwplug.attached_state import attached_states, hook_state_dict
-from kwplug.checkpoint._resize import load_resized_hooks
+from kwplug.attached_state import attached_states
 from kwplug.errors import KwplugWarning
 from kwplug.plugins.ddp_comm_hooks import checkpointed_state
-from kwplug.testing import run_distributed
+from kwplug.testing import resize_hook_state, run_distributed
 
 # -- the plugin: "drift" adds half of this rank's previous gradient of the bucket -------------
 
@@ -150,7 +149,7 @@ def test_resize_follows_the_hooks_rule(runs: list[dict[str, Any]], sizes: tuple[
     live = checkpointed_state(record, fresh)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_resized_hooks([[live]], [[hook_state_dict(saving)]], sizes)
+        resize_hook_state(live, saving, old_world_size=sizes[0], new_world_size=sizes[1])
     (warning,) = [str(w.message) for w in caught if issubclass(w.category, KwplugWarning)]
     assert "model 0: DriftState (last gradients reset, step count kept)" in warning
     assert fresh.steps == SAVE_AT and fresh.last == {}
@@ -165,3 +164,13 @@ def test_compose_puts_a_layout_dependent_hook_behind_canonical_buckets() -> None
     assert composed.__code__.co_name == "canonical_hook"
     plain = compose(kwplug.CommHook("drift", drift_hook), None)
     assert plain is drift_hook
+
+
+@pytest.mark.parametrize(
+    ("sizes", "error"), [((True, 1), TypeError), ((2, 0), ValueError), ((2.0, 1), TypeError)]
+)
+def test_resize_hook_state_checks_the_world_sizes(
+    sizes: tuple[Any, Any], error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="world_size"):
+        resize_hook_state(None, None, old_world_size=sizes[0], new_world_size=sizes[1])

@@ -142,7 +142,7 @@ BAD_VALUES: list[tuple[str, Any, type[Exception], str]] = [
     ("gradient_as_bucket_view", 1, TypeError, "True or False"),
     ("static_graph", None, TypeError, "True or False"),
     ("comm_hook", 3, TypeError, "'power_sgd'"),
-    ("comm_hook", None, TypeError, "callable"),
+    ("comm_hook", 2.5, TypeError, "callable"),  # None is NO, as in Accelerate
     ("comm_hook", H, TypeError, "registered"),  # a class is not a hook
     ("comm_hook", "", ValueError, "'batched_power_sgd'"),
     ("comm_hook", "   ", ValueError, "must not be empty"),
@@ -151,8 +151,8 @@ BAD_VALUES: list[tuple[str, Any, type[Exception], str]] = [
     ("comm_wrapper", "fp32", ValueError, "'no', 'fp16', 'bf16'"),
     ("comm_wrapper", 16, TypeError, "'no', 'fp16', 'bf16'"),
     ("comm_wrapper", noop_hook, TypeError, "'no', 'fp16', 'bf16'"),
-    ("comm_wrapper", None, TypeError, "'no', 'fp16', 'bf16'"),
-    ("comm_state_option", None, TypeError, "dict"),
+    ("comm_wrapper", b"fp16", TypeError, "'no', 'fp16', 'bf16'"),  # None is NO
+    ("comm_state_option", "a=1", TypeError, "dict"),  # None is {}
     ("comm_state_option", [("a", 1)], TypeError, "dict"),
     ("comm_state_option", {1: 2}, TypeError, "keys must be str"),
 ]

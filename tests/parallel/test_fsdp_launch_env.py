@@ -169,7 +169,7 @@ def test_config_file_sets_accelerates_variables(
          "--fsdp_transformer_layer_cls_to_wrap", "Block", "--fsdp_activation_checkpointing",
          "true", "--fsdp_activation_checkpointing_offload", "true", "--use_parallelism_config",
          "--parallelism_config_dp_shard_size", "2", "--parallelism_config_dp_replicate_size",
-         "2"],
+         "2", "--num_processes", "4"],
     ],
     ids=["plain", "size", "mesh"],
 )  # fmt: skip
@@ -181,8 +181,8 @@ def test_flags_set_accelerates_variables(argv: list[str], monkeypatch: pytest.Mo
 
 def test_tensor_parallel_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     # Accelerate's ParallelismConfig(tp_size > 1) needs transformers: the variables only.
-    argv = ["--use_fsdp", "--fsdp_version", "2", "--use_parallelism_config"]
-    argv += ["--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2"]
+    argv = ["--use_fsdp", "--fsdp_version", "2", "--use_parallelism_config", "--num_processes"]
+    argv += ["4", "--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2"]
     ours = _kept(_ours(argv))
     assert ours == _theirs(argv)
     for name, value in ours.items():
@@ -228,7 +228,7 @@ def test_what_kwplug_does_not_do_is_refused_before_launch(
 ) -> None:
     # Accelerate's flag default is FSDP1, which kwplug does not run: the plugin's own error.
     error = _refused(["--use_fsdp", "--num_processes", "2"], capsys, tmp_path)
-    assert "--fsdp_version (config file: fsdp_config.fsdp_version) = '1'" in error
+    assert "--fsdp_version is not set (no config file), so accelerate launch's default '1'" in error
     assert "fsdp_version must be 2" in error
     config = tmp_path / "c.yaml"
     config.write_text(MINIMAL_YAML + "  fsdp_state_dict_type: LOCAL_STATE_DICT\n")
@@ -332,3 +332,68 @@ def test_a_count_that_is_no_integer_is_named(
     config.write_text(MINIMAL_YAML.replace("num_processes: 2", "num_processes: two"))
     error = _refused(["--config_file", str(config)], capsys, tmp_path)
     assert "--num_processes (config file: num_processes) = 'two': not an integer" in error
+
+
+def test_an_unset_fsdp_version_is_named_as_unset_not_as_a_key_of_the_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # `distributed_type: FSDP` and no fsdp_config section: the error named
+    # "fsdp_config.fsdp_version", a key that is not in the user's file.
+    config = tmp_path / "c.yaml"
+    config.write_text("distributed_type: FSDP\nnum_processes: 2\n")
+    error = _refused(["--config_file", str(config)], capsys, tmp_path)
+    assert "(config file: fsdp_config.fsdp_version)" not in error
+    assert f"the config file {config} has no fsdp_config.fsdp_version" in error
+    assert "write `fsdp_config: {fsdp_version: ...}`" in error
+    assert "fsdp_version must be 2" in error
+    # A key the file has is named as the file spells it (no fsdp_ prefix here) ...
+    config.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  version: 1\n")
+    error = _refused(["--config_file", str(config)], capsys, tmp_path)
+    assert "--fsdp_version (config file: fsdp_config.version) = 1: " in error
+    # ... and a flag as the flag.
+    error = _refused(["--config_file", str(config), "--fsdp_version", "1"], capsys, tmp_path)
+    assert "--fsdp_version = '1': " in error
+
+
+@pytest.mark.parametrize(
+    ("argv", "yaml", "named"),
+    [
+        (
+            [],
+            "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n"
+            "  parallelism_config_tp_size: 2\n",
+            [
+                "(config file: parallelism_config.parallelism_config_dp_shard_size) = 2",
+                "(config file: parallelism_config.parallelism_config_tp_size) = 2",
+                "multiply to 4",
+                "but 2 process(es) would start (--num_processes (config file: num_processes) = 2)",
+            ],
+        ),
+        (
+            ["--num_processes", "4", "--use_parallelism_config", "--use_fsdp"],
+            "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n",
+            ["--parallelism_config_tp_size = 3", "multiply to 6", "(--num_processes = 4)"],
+        ),
+    ],
+    ids=["config", "flags"],
+)
+def test_sizes_that_do_not_multiply_to_the_processes_are_refused_before_launch(
+    argv: list[str],
+    yaml: str,
+    named: list[str],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(MINIMAL_YAML + yaml)
+    extra = ["--parallelism_config_tp_size", "3"] if argv else []
+    # _refused runs the real command: the script would print "launched" had a process started.
+    error = _refused(["--config_file", str(config), *argv, *extra], capsys, tmp_path)
+    for part in named:
+        assert part in error
+    assert "launched" not in error
+    # Equal, or every size 1 (replicated over every process, as Accelerate): launched.
+    config.write_text(MINIMAL_YAML + "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n")
+    assert _ours(["--config_file", str(config)])["PARALLELISM_CONFIG_DP_SHARD_SIZE"] == "2"
+    config.write_text(MINIMAL_YAML + "parallelism_config:\n  parallelism_config_tp_size: 1\n")
+    assert _ours(["--config_file", str(config)])["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"

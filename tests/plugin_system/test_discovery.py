@@ -9,7 +9,7 @@ from kwplug._plugins import _discovery as discovery
 
 
 def test_builtins_are_discovered_with_their_hooks() -> None:
-    # Built-ins only: the kwplug-fsdp example also names its entry point "fsdp".
+    # Built-ins only (the example plugins are installed too).
     records = {r.name: r for r in discovery.discover() if r.builtin}
     assert {n: r.hooks for n, r in records.items()} == {
         "aim": ("trackers",),

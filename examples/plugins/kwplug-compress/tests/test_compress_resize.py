@@ -13,11 +13,10 @@ import torch
 import torch.distributed as dist
 
 import kwplug
-from kwplug.attached_state import attached_states, hook_state_dict
-from kwplug.checkpoint._resize import load_resized_hooks
+from kwplug.attached_state import attached_states
 from kwplug.errors import KwplugWarning
 from kwplug.plugins.ddp_comm_hooks import checkpointed_state
-from kwplug.testing import PluginSandbox, run_distributed
+from kwplug.testing import PluginSandbox, resize_hook_state, run_distributed
 
 OPTIONS = {"ratio": 0.1}
 STEPS, SAVE_AT = 6, 3
@@ -129,7 +128,7 @@ def test_resize_follows_the_plugins_rule(
     live = checkpointed_state(record, kwplug_compress.make_topk_state(None, OPTIONS))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_resized_hooks([[live]], [[hook_state_dict(saving)]], sizes)
+        resize_hook_state(live, saving, old_world_size=sizes[0], new_world_size=sizes[1])
     (warning,) = [str(w.message) for w in caught if issubclass(w.category, KwplugWarning)]
     assert f"model 0: TopKState ({kwplug_compress.RESIZE_NOTE})" in warning
     restored = live.state.state_dict()["residuals"]
@@ -150,7 +149,7 @@ def test_without_the_rule_the_residuals_start_afresh(runs: list[dict[str, Any]])
     live = checkpointed_state(record, fresh)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_resized_hooks([[live]], [[hook_state_dict(saving)]], (2, 1))
+        resize_hook_state(live, saving, old_world_size=2, new_world_size=1)
     assert any("model 0: TopKState (reset)" in str(w.message) for w in caught)
     assert fresh.state_dict()["residuals"] == {}
 

@@ -309,10 +309,8 @@ def plugins_json(env: dict[str, str]) -> list[dict[str, Any]]:
 
 
 def test_listed_as_third_party_plugin() -> None:
-    # "fsdp" is also kwplug's built-in FullyShardedDataParallelPlugin: select by distribution.
-    (record,) = [
-        r for r in plugins_json({}) if r["name"] == "fsdp" and r["distribution"] != "kwplug"
-    ]
+    # Named "fully_sharded", not "fsdp" (kwplug's built-in FullyShardedDataParallelPlugin).
+    (record,) = [r for r in plugins_json({}) if r["name"] == "fully_sharded"]
     assert record["distribution"] == "kwplug-fsdp"
     assert record["version"] == "0.1.0"
     assert record["hooks"] == ["no_sync", "wrap_model"]
@@ -322,12 +320,12 @@ def test_listed_as_third_party_plugin() -> None:
 
 @pytest.mark.usefixtures("fsdp_installed")
 def test_blocked_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    name = "kwplug-fsdp:fsdp"  # "fsdp" alone also names kwplug's built-in FSDP2 plugin
+    name = "fully_sharded"
     records = plugins_json({"KWPLUG_BLOCK_PLUGINS": name})
-    (record,) = [r for r in records if r["name"] == "fsdp" and r["distribution"] != "kwplug"]
+    (record,) = [r for r in records if r["name"] == name]
     assert record["status"] == "blocked"
     monkeypatch.setenv("KWPLUG_BLOCK_PLUGINS", name)
-    with pytest.raises(ConfigError, match=r"'fsdp' \(kwplug-fsdp .*\(blocked\)"):
+    with pytest.raises(ConfigError, match=r"'fully_sharded' \(kwplug-fsdp .*\(blocked\)"):
         kwplug.Accelerator.from_config({"handlers": {name: {"shard_modules": ["Linear"]}}})
 
 
@@ -336,8 +334,8 @@ def test_configured_by_entry_point_name() -> None:
     accelerator = kwplug.Accelerator.from_config(CONFIG, cpu=True)
     (handler,) = [h for h in accelerator.handlers if isinstance(h, FullyShardedKwargs)]
     assert handler.shard_modules == ("Linear",)
-    with pytest.raises(ConfigError, match=r"\[handlers\.kwplug-fsdp:fsdp\].*'reduce_dtype'"):
-        kwplug.Accelerator.from_config({"handlers": {"kwplug-fsdp:fsdp": {"reduce_dtype": "int8"}}})
+    with pytest.raises(ConfigError, match=r"\[handlers\.fully_sharded\].*'reduce_dtype'"):
+        kwplug.Accelerator.from_config({"handlers": {"fully_sharded": {"reduce_dtype": "int8"}}})
 
 
 # -- two processes ----------------------------------------------------------------------------
