@@ -29,6 +29,7 @@ from kwplug._runtime import (
     destroy_process_group_at_exit,
     init_process_group,
 )
+from kwplug.accelerator import _setup_cache
 from kwplug.accelerator._required import require_features
 from kwplug.comm_hooks import CommHook, merge_comm_hooks
 from kwplug.handler import KwargsHandler
@@ -107,9 +108,18 @@ def resolve(
     if not isinstance(cpu, bool):
         raise TypeError(f"cpu must be a bool, got {type(cpu).__name__}")
     handlers = require_handler_list(kwargs_handlers)
+    records = discover()
     # A copy of the manager built for the same plugins and handler classes (no pluggy
     # inspection), with this Accelerator's own handler objects.
-    plugins = manager_for(handlers, discover())
+    plugins = manager_for(handlers, records)
+    entry_key = _setup_cache.key(mixed_precision, cpu, handlers, records)
+    entry = _setup_cache.lookup(entry_key, records, plugins)
+    if entry is not None:
+        # The same construction as a previous one: its built-in hooks' answers, replayed.
+        comm_hooks = _collect_comm_hooks(plugins)  # a third-party plugin may contribute
+        if comm_hooks == entry.comm_hooks:
+            return _replayed(entry, mixed_precision, handlers, plugins)
+    before = _setup_cache.environ() if entry_key is not None else None
 
     info = ProcessInfo.current()
     chosen = choose_device(plugins, cpu, info)
@@ -144,6 +154,21 @@ def resolve(
         mixed_precision,
         plugins.descriptions(),
     )
+    _setup_cache.store(
+        entry_key,
+        before,
+        plugins,
+        _setup_cache.Entry(
+            records=records,
+            environ=before or {},
+            info=info,
+            chosen=chosen,
+            comm_hooks=dict(comm_hooks),
+            autocast_factory=autocast_factory,
+            answers=_setup_cache.plan_entries(plugins.plan),
+        ),
+        replayable=info.world_size == 1 and mesh is None and loss_scaler is None,
+    )
     return _Setup(
         mixed_precision=mixed_precision,
         handlers=handlers,
@@ -157,6 +182,40 @@ def resolve(
         answers=dict(plugins.plan),
         device_mesh=mesh,
         data_parallel=_data_parallel(mesh, info),
+    )
+
+
+def _replayed(
+    entry: _setup_cache.Entry,
+    mixed_precision: str,
+    handlers: list[KwargsHandler],
+    plugins: KwplugPluginManager,
+) -> _Setup:
+    # What resolve() returned for the construction ``entry`` was stored from: one process,
+    # no mesh, no scaler; the plan as its hook calls recorded it.
+    plugins.plan.update(entry.answers)
+    info = entry.info
+    logger.debug(
+        "Accelerator on %s, rank %d/%d, mixed_precision=%s, plugins: %s (set-up answers reused)",
+        entry.chosen.device,
+        info.rank,
+        info.world_size,
+        mixed_precision,
+        plugins.descriptions(),
+    )
+    return _Setup(
+        mixed_precision=mixed_precision,
+        handlers=handlers,
+        plugins=plugins,
+        process=info,
+        device=entry.chosen.device,
+        chosen=entry.chosen,
+        comm_hooks=dict(entry.comm_hooks),
+        autocast_factory=entry.autocast_factory,
+        scaler=None,
+        answers=dict(plugins.plan),
+        device_mesh=None,
+        data_parallel=(info.world_size, info.rank),
     )
 
 
