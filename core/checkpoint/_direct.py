@@ -208,8 +208,18 @@ def _chosen(
     placed: list[tuple[str, int, int, torch.dtype, list[int]]], targets: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     # The live tensors each file tensor is read into: same name, dtype and shape, dense CPU
-    # memory, no two overlapping (tied weights: the first name only).
-    found = []
+    # memory. ``load_state_dict`` then copies every other file tensor into its live one in
+    # the state's order, the later winning where two share bytes; a tensor read into ahead
+    # of all those copies keeps torch's result only if every other one sharing its bytes
+    # covers exactly them and is copied after it (tied weights: the first name). Partly
+    # overlapping views of one buffer are all copied, as from the private copy.
+    in_file = {name for name, *_ in placed}
+    spans = {n: s for n, t in targets.items() if n in in_file and (s := _span(t)) is not None}
+    first: dict[tuple[int, int], str] = {}
+    for name, span in spans.items():  # in the state's order
+        first.setdefault(span, name)
+    shared = _overlapped(sorted(first))
+    chosen = {}
     for name, _begin, _end, dtype, shape in placed:
         tensor = targets.get(name)
         if tensor is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
@@ -218,12 +228,31 @@ def _chosen(
             continue
         if tensor.dtype != dtype or list(tensor.shape) != shape or not tensor.is_contiguous():
             continue
-        if tensor.is_conj() or tensor.is_neg() or not tensor.nbytes:
+        if tensor.is_conj() or tensor.is_neg() or name not in spans:
             continue
-        found.append((tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes, name))
-    chosen, reached = {}, 0
-    for start, stop, name in sorted(found):
-        if start >= reached:
-            chosen[name] = targets[name]
-            reached = stop
+        if first[spans[name]] == name and spans[name] not in shared:
+            chosen[name] = tensor
     return chosen
+
+
+def _overlapped(spans: list[tuple[int, int]]) -> set[tuple[int, int]]:
+    # Those of ``spans`` (distinct, sorted) that share a byte with another: one pass.
+    found, reached = set(), 0
+    for i, (start, stop) in enumerate(spans):
+        if start < reached or (i + 1 < len(spans) and spans[i + 1][0] < stop):
+            found.add((start, stop))
+        reached = max(reached, stop)
+    return found
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    # The bytes ``tensor`` may touch (first to past the last element), or ``None`` where it
+    # touches none or none in CPU memory.
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or not tensor.numel():
+        return None
+    if tensor.layout != torch.strided:
+        return None
+    low = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True) if s > 0)
+    size = tensor.element_size()
+    return tensor.data_ptr() + low * size, tensor.data_ptr() + (high + 1) * size
