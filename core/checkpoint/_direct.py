@@ -113,13 +113,23 @@ def read_into(path: Path, expected: tuple[int, str], live: Any) -> tuple[Any, di
             it).
     """
     algorithm = reader.algorithm_of(path, expected)
-    fd = reader.open_regular(path, expected[0])
     try:
-        source = _Into(fd, path, expected[0], codec.named_tensors(live), algorithm)
-        state, meta = decode.checked(path, source, expected[0])
-        got = (source.count, f"{algorithm}:{source.hashed.hexdigest()}")
-    finally:
-        os.close(fd)
+        fd = reader.open_regular(path, expected[0])
+        try:
+            source = _Into(fd, path, expected[0], codec.named_tensors(live), algorithm)
+            state, meta = decode.checked(path, source, expected[0])
+            got = (source.count, f"{algorithm}:{source.hashed.hexdigest()}")
+        finally:
+            os.close(fd)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        # Anything else (an OSError opening it or reading its header) names the file, as
+        # the first pass's readers do: load_state refuses a CheckpointError on every rank
+        # together, where another exception would leave the other ranks waiting.
+        raise CheckpointError(
+            f"{path} could not be read: {type(exc).__name__}: {exc}", path
+        ) from exc
     if got != expected:
         raise CheckpointError(
             f"{path} changed while it was loaded: it matched its checksum in the manifest "

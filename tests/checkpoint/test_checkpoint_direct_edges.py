@@ -5,6 +5,10 @@ is a ``CheckpointError`` naming it, and no thread writes after ``load_state`` re
 
 from __future__ import annotations
 
+import errno
+import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +17,8 @@ import pytest
 import torch
 
 import kwplug
+from kwplug.checkpoint import CheckpointError
+from kwplug.checkpoint import _api as api
 from kwplug.checkpoint import _direct as direct
 
 pytestmark = pytest.mark.timeout(120)
@@ -372,3 +378,102 @@ def test_state_dict_returning_clones(tmp_path: Path, monkeypatch: pytest.MonkeyP
     _step(model, optimizer)
     accelerator.load_state(tmp_path / "ckpt")
     assert torch.equal(model.weight, weight) and torch.equal(model.bias, bias)
+
+
+def _saved(tmp_path: Path) -> tuple[kwplug.Accelerator, Path, Path]:
+    # A checkpoint of a model and an Adam optimizer with state: both files read directly.
+    torch.manual_seed(0)
+    accelerator = kwplug.Accelerator(cpu=True)
+    model = Buffers()
+    model, optimizer = accelerator.prepare(model, _adam(model))
+    _step(model, optimizer)
+    directory = accelerator.save_state(tmp_path / "ckpt")
+    assert direct.live_state(model) is not None and direct.live_state(optimizer) is not None
+    files = sorted(p for p in Path(directory).rglob("*.safetensors"))
+    model_file = next(p for p in files if "model" in p.name)
+    return accelerator, directory, model_file
+
+
+def _no_reader_left() -> None:
+    assert not [t for t in threading.enumerate() if t.name.startswith("kwplug-load")]
+
+
+@pytest.mark.parametrize("change", ["truncated", "byte-flipped", "replaced-by-folder"])
+def test_a_file_changed_after_verification_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    accelerator, _, model_file = _saved(tmp_path)
+    real = direct.read_into
+
+    def changed(path: Path, expected: Any, live: Any) -> Any:
+        if path == model_file:  # after the first pass verified it
+            if change == "truncated":
+                os.truncate(path, path.stat().st_size // 2)
+            elif change == "byte-flipped":
+                with open(path, "r+b") as f:
+                    f.seek(-3, os.SEEK_END)
+                    byte = f.read(1)
+                    f.seek(-3, os.SEEK_END)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+            else:
+                path.unlink()
+                path.mkdir()
+        return real(path, expected, live)
+
+    monkeypatch.setattr(direct, "read_into", changed)
+    with pytest.raises(CheckpointError) as caught:
+        accelerator.load_state(tmp_path / "ckpt")
+    assert caught.value.file == str(model_file) and str(model_file) in str(caught.value)
+    _no_reader_left()
+
+
+@pytest.mark.parametrize("call", ["open", "pread", "preadv", "preadv-ends"])
+def test_a_read_error_in_the_direct_read_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    # EIO (or a file ending early) where the reading threads open or read: a CheckpointError
+    # naming the file, as from the first pass, never a bare OSError.
+    accelerator, _, _ = _saved(tmp_path)
+    name = call.split("-")[0]
+    real = getattr(os, name)
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name.startswith("kwplug-load"):
+            if call == "preadv-ends":
+                return 0
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, name, failing)
+    with pytest.raises(CheckpointError) as caught:
+        accelerator.load_state(tmp_path / "ckpt")
+    assert caught.value.file is not None and caught.value.file.endswith(".safetensors")
+    assert caught.value.file in str(caught.value)
+    _no_reader_left()
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, RuntimeError])
+def test_no_thread_writes_after_an_interrupted_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raised: type[BaseException]
+) -> None:
+    accelerator, _, _ = _saved(tmp_path)
+    real = direct.read_into
+    finished: list[float] = []
+
+    def slow(path: Path, expected: Any, live: Any) -> Any:
+        time.sleep(0.5)  # still reading when the main thread is interrupted
+        try:
+            return real(path, expected, live)
+        finally:
+            finished.append(time.monotonic())
+
+    def interrupted(*args: Any) -> Any:
+        raise raised()
+
+    monkeypatch.setattr(direct, "read_into", slow)
+    monkeypatch.setattr(api, "_decoded", interrupted)
+    with pytest.raises(raised):
+        accelerator.load_state(tmp_path / "ckpt")
+    returned = time.monotonic()
+    _no_reader_left()
+    assert finished and max(finished) <= returned
