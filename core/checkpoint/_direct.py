@@ -20,9 +20,9 @@ refused, but only after its bytes were copied: the object holds part of the chan
 a checkpoint is loaded again. A file damaged before the load is refused before anything
 changes, as before. Objects whose loading runs code of their own (``load_state_dict`` hooks,
 ``_load_from_state_dict`` overrides outside ``torch.nn``, an optimizer class's own
-``load_state_dict``) are loaded from a private copy that is decoded only once it matched
-(:func:`kwplug.checkpoint._reader.read_state`), as are optimizers with no state yet (the memory
-is made either way).
+``load_state_dict``, loading methods set on the object itself) are loaded from a private copy
+that is decoded only once it matched (:func:`kwplug.checkpoint._reader.read_state`), as are
+optimizers with no state yet (the memory is made either way).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _state(target: Any) -> Any | None:
         if any(getattr(inner, hooks, None) for hooks in _OPTIMIZER_HOOKS):
             return None
         base = torch.optim.Optimizer
-        if type(inner).load_state_dict is not base.load_state_dict:
+        if type(inner).load_state_dict is not base.load_state_dict or _own(inner, target):
             return None
         return target.state_dict() if type(inner).state_dict is base.state_dict else None
     return None
@@ -88,10 +88,10 @@ def _plain_module(module: torch.nn.Module) -> bool:
     # Loading it only copies each tensor of the state into the one of the same name: no hook,
     # and no _load_from_state_dict but torch.nn's own (BatchNorm's adds a key, then copies).
     base = torch.nn.Module
-    if type(module).load_state_dict is not base.load_state_dict:
+    if type(module).load_state_dict is not base.load_state_dict or _own(module):
         return False
     for sub in module.modules():
-        if any(getattr(sub, hooks, None) for hooks in _MODULE_HOOKS):
+        if any(getattr(sub, hooks, None) for hooks in _MODULE_HOOKS) or _own(sub):
             return False
         own = type(sub)._load_from_state_dict
         if own is not base._load_from_state_dict and not getattr(own, "__module__", "").startswith(
@@ -99,6 +99,14 @@ def _plain_module(module: torch.nn.Module) -> bool:
         ):
             return False
     return True
+
+
+def _own(*objects: object) -> bool:
+    # A loading method set on the object itself (a patched ``load_state_dict``) runs code of
+    # its own, that the type's checks above do not see: it may read the state's tensors
+    # after they were overwritten (a transpose copied onto itself fails).
+    names = ("load_state_dict", "state_dict", "_load_from_state_dict")
+    return any(name in getattr(o, "__dict__", {}) for o in objects for name in names)
 
 
 def read_into(path: Path, expected: tuple[int, str], live: Any) -> tuple[Any, dict[str, str]]:

@@ -477,3 +477,51 @@ def test_no_thread_writes_after_an_interrupted_load(
     returned = time.monotonic()
     _no_reader_left()
     assert finished and max(finished) <= returned
+
+
+def test_a_load_state_dict_set_on_the_instance_goes_through_the_private_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A patched load_state_dict (here: the weight stored transposed) reads the state's
+    # tensors: read into the parameter itself, its transpose would be copied onto itself.
+    torch.manual_seed(0)
+    accelerator = kwplug.Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(4, 4))
+    torch_load = model.load_state_dict
+
+    def transposed(state: Any, *args: Any, **kwargs: Any) -> Any:
+        return torch_load({**state, "weight": state["weight"].t()}, *args, **kwargs)
+
+    model.load_state_dict = transposed  # type: ignore[method-assign]
+    accelerator.save_state(tmp_path / "ckpt")
+    weight = model.weight.detach().t().clone()
+    assert direct.live_state(model) is None
+    read = _watch(monkeypatch)
+    accelerator.load_state(tmp_path / "ckpt")
+    assert not read and torch.equal(model.weight, weight)
+
+
+def test_an_optimizer_load_state_dict_set_on_the_instance_goes_through_the_private_copy(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    accelerator = kwplug.Accelerator(cpu=True)
+    model = Buffers()
+    model, optimizer = accelerator.prepare(model, _adam(model))
+    _step(model, optimizer)
+    seen: list[int] = []
+    inner = optimizer.optimizer
+    torch_load = inner.load_state_dict
+
+    def counted(state: Any) -> None:
+        seen.append(1)
+        torch_load(state)
+
+    inner.load_state_dict = counted
+    assert direct.live_state(optimizer) is None
+    accelerator.save_state(tmp_path / "ckpt")
+    saved = _clone(optimizer.state_dict())
+    _step(model, optimizer)
+    accelerator.load_state(tmp_path / "ckpt")
+    _equal(optimizer.state_dict(), saved, "optimizer")
+    assert seen == [1]
