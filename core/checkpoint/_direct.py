@@ -62,10 +62,13 @@ def live_state(target: Any) -> Any | None:
     docstring)."""
     live = _state(target)
     # On an accelerator every tensor would be read into new CPU memory: the private copy's
-    # one buffer is cheaper to make.
-    if live is None or not any(t.is_cpu for t in codec.named_tensors(live).values()):
+    # one buffer is cheaper to make. Most bytes, not any tensor, decide: Adam keeps its
+    # ``step`` counts on the CPU beside CUDA moments.
+    if live is None:
         return None
-    return live
+    tensors = codec.named_tensors(live).values()
+    on_cpu = sum(t.nbytes for t in tensors if t.is_cpu)
+    return live if on_cpu and 2 * on_cpu >= sum(t.nbytes for t in tensors) else None
 
 
 def _state(target: Any) -> Any | None:

@@ -525,3 +525,16 @@ def test_an_optimizer_load_state_dict_set_on_the_instance_goes_through_the_priva
     accelerator.load_state(tmp_path / "ckpt")
     _equal(optimizer.state_dict(), saved, "optimizer")
     assert seen == [1]
+
+
+def test_an_optimizer_state_on_an_accelerator_goes_through_the_private_copy() -> None:
+    # Adam's ``step`` counts stay on the CPU beside moments on the accelerator (``meta``
+    # stands for it here): reading its file directly would make new CPU memory for nearly
+    # all of it.
+    param = torch.nn.Parameter(torch.empty(1024, device="meta"))
+    optimizer = torch.optim.Adam([param])
+    moments = {k: torch.empty(1024, device="meta") for k in ("exp_avg", "exp_avg_sq")}
+    optimizer.state[param] = {"step": torch.tensor(3.0), **moments}
+    assert direct.live_state(optimizer) is None
+    optimizer.state[param] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(1024)}
+    assert direct.live_state(optimizer) is not None  # on the CPU: read directly
