@@ -20,9 +20,9 @@ refused, but only after its bytes were copied: the object holds part of the chan
 a checkpoint is loaded again. A file damaged before the load is refused before anything
 changes, as before. Objects whose loading runs code of their own (``load_state_dict`` hooks,
 ``_load_from_state_dict`` overrides outside ``torch.nn``, an optimizer class's own
-``load_state_dict``) are loaded from a private copy that is decoded only once it matched
-(:func:`kwplug.checkpoint._reader.read_state`), as are optimizers with no state yet (the memory
-is made either way).
+``load_state_dict``, loading methods set on the object itself) are loaded from a private copy
+that is decoded only once it matched (:func:`kwplug.checkpoint._reader.read_state`), as are
+optimizers with no state yet (the memory is made either way).
 """
 
 from __future__ import annotations
@@ -62,10 +62,13 @@ def live_state(target: Any) -> Any | None:
     docstring)."""
     live = _state(target)
     # On an accelerator every tensor would be read into new CPU memory: the private copy's
-    # one buffer is cheaper to make.
-    if live is None or not any(t.is_cpu for t in codec.named_tensors(live).values()):
+    # one buffer is cheaper to make. Most bytes, not any tensor, decide: Adam keeps its
+    # ``step`` counts on the CPU beside CUDA moments.
+    if live is None:
         return None
-    return live
+    tensors = codec.named_tensors(live).values()
+    on_cpu = sum(t.nbytes for t in tensors if t.is_cpu)
+    return live if on_cpu and 2 * on_cpu >= sum(t.nbytes for t in tensors) else None
 
 
 def _state(target: Any) -> Any | None:
@@ -78,7 +81,7 @@ def _state(target: Any) -> Any | None:
         if any(getattr(inner, hooks, None) for hooks in _OPTIMIZER_HOOKS):
             return None
         base = torch.optim.Optimizer
-        if type(inner).load_state_dict is not base.load_state_dict:
+        if type(inner).load_state_dict is not base.load_state_dict or _own(inner, target):
             return None
         return target.state_dict() if type(inner).state_dict is base.state_dict else None
     return None
@@ -88,10 +91,10 @@ def _plain_module(module: torch.nn.Module) -> bool:
     # Loading it only copies each tensor of the state into the one of the same name: no hook,
     # and no _load_from_state_dict but torch.nn's own (BatchNorm's adds a key, then copies).
     base = torch.nn.Module
-    if type(module).load_state_dict is not base.load_state_dict:
+    if type(module).load_state_dict is not base.load_state_dict or _own(module):
         return False
     for sub in module.modules():
-        if any(getattr(sub, hooks, None) for hooks in _MODULE_HOOKS):
+        if any(getattr(sub, hooks, None) for hooks in _MODULE_HOOKS) or _own(sub):
             return False
         own = type(sub)._load_from_state_dict
         if own is not base._load_from_state_dict and not getattr(own, "__module__", "").startswith(
@@ -99,6 +102,14 @@ def _plain_module(module: torch.nn.Module) -> bool:
         ):
             return False
     return True
+
+
+def _own(*objects: object) -> bool:
+    # A loading method set on the object itself (a patched ``load_state_dict``) runs code of
+    # its own, that the type's checks above do not see: it may read the state's tensors
+    # after they were overwritten (a transpose copied onto itself fails).
+    names = ("load_state_dict", "state_dict", "_load_from_state_dict")
+    return any(name in getattr(o, "__dict__", {}) for o in objects for name in names)
 
 
 def read_into(path: Path, expected: tuple[int, str], live: Any) -> tuple[Any, dict[str, str]]:
@@ -113,13 +124,23 @@ def read_into(path: Path, expected: tuple[int, str], live: Any) -> tuple[Any, di
             it).
     """
     algorithm = reader.algorithm_of(path, expected)
-    fd = reader.open_regular(path, expected[0])
     try:
-        source = _Into(fd, path, expected[0], codec.named_tensors(live), algorithm)
-        state, meta = decode.checked(path, source, expected[0])
-        got = (source.count, f"{algorithm}:{source.hashed.hexdigest()}")
-    finally:
-        os.close(fd)
+        fd = reader.open_regular(path, expected[0])
+        try:
+            source = _Into(fd, path, expected[0], codec.named_tensors(live), algorithm)
+            state, meta = decode.checked(path, source, expected[0])
+            got = (source.count, f"{algorithm}:{source.hashed.hexdigest()}")
+        finally:
+            os.close(fd)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        # Anything else (an OSError opening it or reading its header) names the file, as
+        # the first pass's readers do: load_state refuses a CheckpointError on every rank
+        # together, where another exception would leave the other ranks waiting.
+        raise CheckpointError(
+            f"{path} could not be read: {type(exc).__name__}: {exc}", path
+        ) from exc
     if got != expected:
         raise CheckpointError(
             f"{path} changed while it was loaded: it matched its checksum in the manifest "
@@ -208,8 +229,18 @@ def _chosen(
     placed: list[tuple[str, int, int, torch.dtype, list[int]]], targets: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     # The live tensors each file tensor is read into: same name, dtype and shape, dense CPU
-    # memory, no two overlapping (tied weights: the first name only).
-    found = []
+    # memory. ``load_state_dict`` then copies every other file tensor into its live one in
+    # the state's order, the later winning where two share bytes; a tensor read into ahead
+    # of all those copies keeps torch's result only if every other one sharing its bytes
+    # covers exactly them and is copied after it (tied weights: the first name). Partly
+    # overlapping views of one buffer are all copied, as from the private copy.
+    in_file = {name for name, *_ in placed}
+    spans = {n: s for n, t in targets.items() if n in in_file and (s := _span(t)) is not None}
+    first: dict[tuple[int, int], str] = {}
+    for name, span in spans.items():  # in the state's order
+        first.setdefault(span, name)
+    shared = _overlapped(sorted(first))
+    chosen = {}
     for name, _begin, _end, dtype, shape in placed:
         tensor = targets.get(name)
         if tensor is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
@@ -218,12 +249,31 @@ def _chosen(
             continue
         if tensor.dtype != dtype or list(tensor.shape) != shape or not tensor.is_contiguous():
             continue
-        if tensor.is_conj() or tensor.is_neg() or not tensor.nbytes:
+        if tensor.is_conj() or tensor.is_neg() or name not in spans:
             continue
-        found.append((tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes, name))
-    chosen, reached = {}, 0
-    for start, stop, name in sorted(found):
-        if start >= reached:
-            chosen[name] = targets[name]
-            reached = stop
+        if first[spans[name]] == name and spans[name] not in shared:
+            chosen[name] = tensor
     return chosen
+
+
+def _overlapped(spans: list[tuple[int, int]]) -> set[tuple[int, int]]:
+    # Those of ``spans`` (distinct, sorted) that share a byte with another: one pass.
+    found, reached = set(), 0
+    for i, (start, stop) in enumerate(spans):
+        if start < reached or (i + 1 < len(spans) and spans[i + 1][0] < stop):
+            found.add((start, stop))
+        reached = max(reached, stop)
+    return found
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    # The bytes ``tensor`` may touch (first to past the last element), or ``None`` where it
+    # touches none or none in CPU memory.
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or not tensor.numel():
+        return None
+    if tensor.layout != torch.strided:
+        return None
+    low = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True) if s > 0)
+    size = tensor.element_size()
+    return tensor.data_ptr() + low * size, tensor.data_ptr() + (high + 1) * size
