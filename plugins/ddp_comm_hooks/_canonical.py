@@ -4,6 +4,12 @@ DDP rebuilds its buckets after the first step, in the order gradients became rea
 whose state is keyed by ``bucket.index()`` and laid out like ``bucket.buffer()`` (PowerSGD)
 sees another layout in a freshly built DDP than in the process that saved its state.
 :func:`canonical_bucket_hook` hands such a hook a :class:`CanonicalBucket` instead.
+
+A canonical bucket's key names its parameters by their index in ``model.parameters()``, in
+its canonical order: the order DDP's bucket held them in when the hook's state first got the
+key (so a hook on DDP's own layout computes exactly what it computes unwrapped: torch's random
+draws and matrices, Accelerate's weights), or, for a hook whose state keys are not known, the
+parameters' own order.
 """
 
 import itertools
@@ -17,7 +23,8 @@ import torch
 from kwplug.comm_hooks import HookFn
 from kwplug.plugins.ddp_comm_hooks._common import GradBucket, describe, future_tensor
 
-#: Key of a :class:`CanonicalBucket`: the sorted canonical indices of its parameters.
+#: Key of a :class:`CanonicalBucket`: its parameters' indices in ``model.parameters()``, in
+#: the bucket's canonical order (the module docstring says which).
 BucketKey = tuple[int, ...]
 
 #: Attribute of a hook function that works only through ``bucket.gradients()``, in place,
@@ -32,12 +39,13 @@ class CanonicalBucket:
 
     Built by :func:`canonical_bucket_hook` for the hook it wraps. It offers the methods
     PowerSGD, kwplug's hooks and the compression wrappers call on a bucket, with the bucket's
-    parameters in their canonical order (their order in ``model.parameters()``) rather than in
-    DDP's bucket order, which DDP changes when it rebuilds its buckets after the first step.
+    parameters in their canonical order (the order of :meth:`index`, which the hook's state
+    records) rather than in the current DDP's bucket order, which a fresh DDP does not share
+    with the one that built the state (DDP rebuilds its buckets after the first step).
 
     Args:
         buffer: the flat gradients of the parameters, concatenated in canonical order.
-        key: what :meth:`index` returns, the sorted canonical indices of the parameters.
+        key: what :meth:`index` returns, the parameters' indices in canonical order.
         is_last: what :meth:`is_last` returns.
         parameters: the parameters, in canonical order.
         shapes: the gradients' shapes, in canonical order (their sizes add up to the
@@ -77,10 +85,12 @@ class CanonicalBucket:
         self._buffer = tensor
 
     def index(self) -> BucketKey:
-        """A stable id: the sorted canonical indices of the bucket's parameters.
+        """A stable id: the indices of the bucket's parameters in ``model.parameters()``,
+        in canonical order.
 
-        Unlike ``GradBucket.index()``, it does not change when DDP rebuilds its buckets, and
-        the same parameters always get the same id. It is a tuple, not an ``int``.
+        Unlike ``GradBucket.index()``, it does not change when DDP rebuilds its buckets: once
+        the hook's state holds a key for these parameters, they always get that key. It is a
+        tuple, not an ``int``.
         """
         return self._key
 
@@ -146,24 +156,34 @@ def _known_keys(
     )
 
 
-def _partition(indices: list[int], known: frozenset[BucketKey]) -> list[BucketKey]:
-    # The buckets of an earlier layout that exactly tile this bucket, if any (e.g. the first
-    # step after a resume, when DDP still has its initial single bucket while the saved state
-    # has one entry per rebuilt bucket); else the whole bucket as one.
-    whole = tuple(sorted(indices))
-    members = set(whole)
-    if whole in known:
-        return [whole]
+def _partition(
+    indices: list[int], known: frozenset[BucketKey], *, layout_order: bool
+) -> list[BucketKey]:
+    # The keys the state already holds for this bucket's parameters: one with exactly these
+    # parameters (its order is the layout the state was built in), or several that exactly tile
+    # the bucket (the first step after a resume, when DDP still has its initial single bucket
+    # while the saved state has one entry per rebuilt bucket). Else a new key: this layout's
+    # order when the state will record it (``layout_order``), else the parameters' order.
+    members = frozenset(indices)
+    for key in known:
+        if len(key) == len(members) and frozenset(key) == members:
+            return [key]
     inside = [key for key in known if key and members.issuperset(key)]
     covered = [i for key in inside for i in key]
     if inside and len(covered) == len(members) and set(covered) == members:
         # DDP fills buckets in gradient-ready order, roughly the reverse of the parameters:
         # process the tiles the same way (last = the one with the first parameters).
-        return sorted(inside, key=lambda key: key[-1], reverse=True)
-    return [whole]
+        return sorted(inside, key=max, reverse=True)
+    return [tuple(indices) if layout_order else tuple(sorted(indices))]
 
 
-def _make_plan(bucket: GradBucket, order: Mapping[int, int], known: frozenset[BucketKey]) -> _Plan:
+def _make_plan(
+    bucket: GradBucket,
+    order: Mapping[int, int],
+    known: frozenset[BucketKey],
+    *,
+    layout_order: bool,
+) -> _Plan:
     buffer = bucket.buffer()
     base = buffer.storage_offset()
     params = bucket.parameters()
@@ -174,7 +194,7 @@ def _make_plan(bucket: GradBucket, order: Mapping[int, int], known: frozenset[Bu
     canonical = [order.get(id(p), len(order) + pos) for pos, p in enumerate(params)]
     position_of = {index: pos for pos, index in enumerate(canonical)}
     groups = []
-    for key in _partition(canonical, known):
+    for key in _partition(canonical, known, layout_order=layout_order):
         positions = tuple(position_of[index] for index in key)
         group_offsets = tuple(offsets[pos] for pos in positions)
         group_numels = tuple(numels[pos] for pos in positions)
@@ -214,12 +234,16 @@ def canonical_bucket_hook(
     uninterrupted one.
 
     The returned hook hands ``hook`` a :class:`CanonicalBucket` instead: its ``buffer()`` is
-    the bucket's per-parameter gradients concatenated in canonical order (the order of
-    ``param_order``, normally ``model.parameters()``, matched by identity), ``gradients()`` are
-    views into that buffer and ``parameters()`` follow the same order, ``index()`` is the
-    sorted tuple of the parameters' canonical indices (the same for the same parameters
-    whatever DDP's layout), ``is_last()`` is the bucket's, and ``set_buffer()`` replaces the
-    canonical buffer. When ``hook``'s future completes, its result (canonical order) is copied
+    the bucket's per-parameter gradients concatenated in canonical order, ``gradients()`` are
+    views into that buffer and ``parameters()`` follow the same order, ``index()`` is the tuple
+    of the parameters' indices in ``param_order`` (normally ``model.parameters()``, matched by
+    identity) in that order, ``is_last()`` is the bucket's, and ``set_buffer()`` replaces the
+    canonical buffer. The canonical order is, with ``state_buckets``, the order of the key the
+    state already holds for the same parameters, or else DDP's current order (which the state
+    then records, so that on DDP's own layout ``hook`` computes bitwise what it computes
+    unwrapped: torch's PowerSGD draws its first ``Q`` per bucket in bucket order); without
+    ``state_buckets``, the order of ``param_order`` (the same key for the same parameters
+    whatever the layout). When ``hook``'s future completes, its result (canonical order) is copied
     back into the real bucket's gradient views and the real ``bucket.buffer()`` is returned,
     as DDP expects. This is correct with ``gradient_as_bucket_view`` either way, since DDP's
     ``GradBucket.gradients()`` are always views into its buffer.
@@ -231,15 +255,18 @@ def canonical_bucket_hook(
     bucket and the saved state one entry per rebuilt bucket), ``hook`` runs once per tile, so
     the state is applied to the same parameter groups as in the saving process.
 
-    Cost per step and bucket: when the bucket's gradients already lie in canonical order (DDP's
-    initial layout) nothing is copied; otherwise (after DDP's rebuild, which typically reverses
-    the order) one gather copy of the bucket into a new canonical buffer and one scatter copy
-    back, i.e. about two extra reads and writes of the bucket's memory, plus some Python work
-    per parameter; the canonical buffer is allocated once per layout and reused.
+    Cost per step and bucket: when the bucket's gradients already lie in canonical order (with
+    ``state_buckets``, every step of an uninterrupted run) nothing is copied; otherwise (a
+    resumed run's steps before DDP rebuilds its buckets; without ``state_buckets``, DDP's
+    rebuilt layout, which typically reverses the order) one gather copy of the bucket into a
+    canonical buffer and one scatter copy back, i.e. about two extra reads and writes of the
+    bucket's memory, plus some Python work per parameter; the canonical buffer is allocated
+    once per layout and reused.
 
     Args:
         hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``.
-        param_order: the parameters, in canonical order; captured (by identity) now.
+        param_order: the parameters, in the order that numbers them (normally
+            ``model.parameters()``); captured (by identity) now.
         state_buckets: optional ``state -> keys`` giving the bucket keys held in the hook's
             state; only tuples of ints are used.
 
@@ -270,7 +297,9 @@ def canonical_bucket_hook(
             if len(plans) >= 64:
                 plans.clear()
                 scratch.clear()
-            plan = plans[signature] = _make_plan(bucket, order, known)
+            plan = plans[signature] = _make_plan(
+                bucket, order, known, layout_order=state_buckets is not None
+            )
         last = bucket.is_last()
         if in_place and plan.dense and len(plan.groups) == 1:
             return _in_place(hook, state, bucket, plan.groups[0], last)

@@ -47,6 +47,10 @@ class RealBucket:
     def buffer(self) -> torch.Tensor:
         return self._buffer
 
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        # As GradBucket.set_buffer: gradients() become views into the new buffer.
+        self._buffer = tensor
+
     def parameters(self) -> list[torch.Tensor]:
         return list(self._params)
 
@@ -171,38 +175,73 @@ def test_bucket_tiled_by_state_keys_runs_the_hook_per_tile() -> None:
         assert [s["index"] for s in recorder.seen] == [(0, 1, 2, 3)]
 
 
+POWER_SGD_HOOKS = [
+    torch_psgd.powerSGD_hook,
+    hooks.batched_power_sgd_hook,
+    hooks.fp16_compress_wrapper(torch_psgd.powerSGD_hook),
+]
+POWER_SGD_IDS = ["power_sgd", "batched_power_sgd", "fp16_wrapper_power_sgd"]
+
+
+def _psgd_step(
+    hook: Any, state: Any, params: list[torch.Tensor], grads: list[torch.Tensor], layout: list[int]
+) -> torch.Tensor:
+    # One bucket in ``layout``'s order; the averaged gradients DDP receives (the future's
+    # tensor, laid out like the bucket), back in parameter order.
+    bucket = RealBucket([params[i] for i in layout], [grads[i] for i in layout])
+    out = hook(state, bucket).wait()
+    pieces = out.split([grads[i].numel() for i in layout])
+    by_param = dict(zip(layout, pieces, strict=True))
+    return torch.cat([by_param[i] for i in range(len(params))])
+
+
 @pytest.mark.usefixtures("one_process_group")
-@pytest.mark.parametrize(
-    "inner",
-    [
-        torch_psgd.powerSGD_hook,
-        hooks.batched_power_sgd_hook,
-        hooks.fp16_compress_wrapper(torch_psgd.powerSGD_hook),
-    ],
-    ids=["power_sgd", "batched_power_sgd", "fp16_wrapper_power_sgd"],
-)
-def test_power_sgd_is_layout_independent(inner: Any) -> None:
-    # The same gradients in two layouts give bitwise the same averaged gradients and the same
-    # state, step after step (compression from the third step on).
+@pytest.mark.parametrize("inner", POWER_SGD_HOOKS, ids=POWER_SGD_IDS)
+def test_power_sgd_state_follows_its_layout_into_another(inner: Any) -> None:
+    # A resumed run: the state is built on one layout (DDP's rebuilt buckets, compression from
+    # the third step on), then its process goes on in another (a fresh DDP's first step). Both
+    # continuations give bitwise the same averaged gradients and state, step after step.
     params, _ = params_and_grads()
     options = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
     states = [hooks.make_power_sgd_state(None, options) for _ in range(2)]
     hook = hooks.canonical_bucket_hook(inner, params, state_buckets=hooks.power_sgd_state_buckets)
-    layouts = [[0, 1, 2, 3], [3, 2, 1, 0]]
-    for step in range(5):
+    built_in = [3, 1, 2, 0]
+    for step in range(7):
         grads = [torch.randn(p.shape) for p in params]
-        results = []
-        for state, layout in zip(states, layouts, strict=True):
-            bucket = RealBucket([params[i] for i in layout], [grads[i] for i in layout])
-            hook(state, bucket).wait()  # type: ignore[arg-type]
-            by_param = dict(zip(layout, bucket.gradients(), strict=True))
-            results.append(canonical([by_param[i] for i in range(4)], range(4)))
+        later = built_in if step < 4 else [0, 1, 2, 3]
+        results = [
+            _psgd_step(hook, states[0], params, grads, built_in),
+            _psgd_step(hook, states[1], params, grads, later),
+        ]
         assert torch.equal(results[0], results[1]), step
-    assert states[0].iter == states[1].iter == 5
+    assert states[0].iter == states[1].iter == 7
     for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
         first, second = getattr(states[0], name), getattr(states[1], name)
-        assert list(first) == list(second) == [(0, 1, 2, 3)], name
-        assert torch.equal(first[(0, 1, 2, 3)], second[(0, 1, 2, 3)]), name
+        # The key records the layout the state was built in.
+        assert list(first) == list(second) == [tuple(built_in)], name
+        assert torch.equal(first[tuple(built_in)], second[tuple(built_in)]), name
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("inner", POWER_SGD_HOOKS, ids=POWER_SGD_IDS)
+def test_power_sgd_on_ddp_layout_is_torch_bitwise(inner: Any) -> None:
+    # On the layout its state was built in, the wrapped hook computes what the hook computes
+    # on DDP's bucket directly (same random draws, same matrices): weights equal Accelerate's.
+    params, _ = params_and_grads()
+    options = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
+    wrapped_state, raw_state = (hooks.make_power_sgd_state(None, options) for _ in range(2))
+    wrapped = hooks.canonical_bucket_hook(
+        inner, params, state_buckets=hooks.power_sgd_state_buckets
+    )
+    layout = [3, 1, 2, 0]
+    for step in range(6):
+        grads = [torch.randn(p.shape) for p in params]
+        ours = _psgd_step(wrapped, wrapped_state, params, grads, layout)
+        theirs = _psgd_step(inner, raw_state, params, grads, layout)
+        assert torch.equal(ours, theirs), step
+    assert [key for key in wrapped_state.p_memory_dict] == [tuple(layout)]
+    assert torch.equal(wrapped_state.p_memory_dict[tuple(layout)], raw_state.p_memory_dict[0])
+    assert wrapped_state.rng.get_state()[2] == raw_state.rng.get_state()[2]
 
 
 def test_hook_keeps_its_name_and_is_accepted_by_ddp() -> None:
