@@ -127,8 +127,12 @@ class _Group:
     offsets: tuple[int, ...]
     numels: tuple[int, ...]
     shapes: tuple[torch.Size, ...]
-    # When the parameters lie in canonical order, back to back, in the real buffer: the
-    # canonical buffer is the slice real[start : start + numel], no copy needed.
+    # When the parameters lie in canonical order, back to back, at the start of the real
+    # buffer: the canonical buffer is the slice real[start : start + numel] (start is 0), no
+    # copy needed. A group further in (a tile of a resumed run's initial bucket) is gathered
+    # into its own buffer, like the DDP bucket the state was built on: the hook's matmuls
+    # read the same addresses modulo the allocator's alignment, and CPU BLAS results depend
+    # on the alignment (a view at, say, 2,600 bytes in rounds differently from one at 0).
     start: int | None
 
     @property
@@ -209,7 +213,7 @@ def _make_plan(
                 offsets=group_offsets,
                 numels=group_numels,
                 shapes=tuple(grads[pos].shape for pos in positions),
-                start=group_offsets[0] if back_to_back else None,
+                start=0 if back_to_back and group_offsets[0] == 0 else None,
             )
         )
     dense = sum(numels) == buffer.numel() and all(

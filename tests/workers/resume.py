@@ -2,7 +2,7 @@
 
 Usage: resume.py OUT --steps N [--save-at K --ckpt DIR] [--resume DIR --start-step K]
                  [--mixed-precision fp16] [--comm-hook power_sgd] [--comm-wrapper fp16]
-                 [--gradient-as-bucket-view] [--crash-in-save]
+                 [--gradient-as-bucket-view] [--crash-in-save] [--model buckets --bucket-cap-mb MB]
 Runs single-process or under torchrun.
 """
 
@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--comm-wrapper", default="no")
     parser.add_argument("--gradient-as-bucket-view", action="store_true")
     parser.add_argument("--crash-in-save", action="store_true")
+    parser.add_argument("--model", choices=["mlp", "buckets"], default="mlp")
+    parser.add_argument("--bucket-cap-mb", type=float)
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -45,14 +47,32 @@ def main() -> None:
         comm_state_option=options if "power_sgd" in args.comm_hook else {},
         comm_wrapper=args.comm_wrapper,
         gradient_as_bucket_view=args.gradient_as_bucket_view,
+        **({"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {}),
     )
     accelerator = kwplug.Accelerator(
         mixed_precision=args.mixed_precision, cpu=True, kwargs_handlers=[ddp]
     )
     data = TensorDataset(torch.randn(64, 12), torch.randn(64, 1))
-    model = torch.nn.Sequential(
-        torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)
-    )
+    if args.model == "buckets":
+        # With --bucket-cap-mb 0.001, DDP's rebuilt buckets are (5, 4, 3), (2,), (1, 0) by
+        # index in model.parameters(): the second Linear's weight fills one alone, and lies
+        # 650 elements (2,600 bytes) into DDP's initial single bucket.
+        model = torch.nn.Sequential(
+            torch.nn.Linear(12, 50),
+            torch.nn.ReLU(),
+            torch.nn.Linear(50, 50, bias=False),
+            torch.nn.ReLU(),
+            torch.nn.Linear(50, 50, bias=False),
+            torch.nn.ReLU(),
+            torch.nn.Linear(50, 1),
+        )
+    else:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(12, 32),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.2),
+            torch.nn.Linear(32, 1),
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(data, batch_size=4, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
