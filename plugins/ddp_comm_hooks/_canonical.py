@@ -6,10 +6,9 @@ sees another layout in a freshly built DDP than in the process that saved its st
 :func:`canonical_bucket_hook` hands such a hook a :class:`CanonicalBucket` instead.
 
 A canonical bucket's key names its parameters by their index in ``model.parameters()``, in
-its canonical order: the order DDP's bucket held them in when the hook's state first got the
-key (so a hook on DDP's own layout computes exactly what it computes unwrapped: torch's random
-draws and matrices, Accelerate's weights), or, for a hook whose state keys are not known, the
-parameters' own order.
+the order DDP's bucket held them when the hook's state first got the key (on DDP's own layout
+the hook computes what it computes unwrapped: Accelerate's weights), or, when the state's
+keys are not known, in the parameters' own order.
 """
 
 import itertools
@@ -127,12 +126,10 @@ class _Group:
     offsets: tuple[int, ...]
     numels: tuple[int, ...]
     shapes: tuple[torch.Size, ...]
-    # When the parameters lie in canonical order, back to back, at the start of the real
-    # buffer: the canonical buffer is the slice real[start : start + numel] (start is 0), no
-    # copy needed. A group further in (a tile of a resumed run's initial bucket) is gathered
-    # into its own buffer, like the DDP bucket the state was built on: the hook's matmuls
-    # read the same addresses modulo the allocator's alignment, and CPU BLAS results depend
-    # on the alignment (a view at, say, 2,600 bytes in rounds differently from one at 0).
+    # 0 when the parameters lie in canonical order, back to back, at the start of the real
+    # buffer: the canonical buffer is a slice of it, no copy. A group further in (a tile of a
+    # resumed run's initial bucket) is gathered into a buffer of its own, aligned like the
+    # DDP bucket the state was built on: CPU BLAS rounds differently at another alignment.
     start: int | None
 
     @property
