@@ -28,6 +28,14 @@ _LONG_FILES = (
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist (3.6 on) reorders --dist loadfile's files by their number of tests, most
+    # first, unless told not to: the order above was lost and the one-test files that take a
+    # minute or more (kill loops, test_exit.py, elastic restarts) ran last, one worker idle.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(str(config.rootpath))
 

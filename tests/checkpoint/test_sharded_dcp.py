@@ -6,6 +6,7 @@ an unsharded (DDP) model, or from a DDP save into FSDP2, gives back the same ful
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -122,18 +123,45 @@ def files(directory: Path) -> set[str]:
     return {p.name for p in version.iterdir()}
 
 
+class Saves:
+    """Each ``save`` of the module's (kind, process count) runs once, on first use; a test gets
+    its own copy of the checkpoint folder. The 2-process FSDP2 save is what three tests load
+    (two launches fewer than one save per test; ``save`` is seeded, so each would be the same)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: dict[tuple[str, int], tuple[Path, list[dict[str, Any]], set[str]]] = {}
+
+    def get(self, kind: str, nproc: int, into: Path) -> tuple[list[dict[str, Any]], set[str]]:
+        """``save(kind)`` in ``nproc`` processes: its per-rank results and the files of the
+        version it wrote, the checkpoint folder copied to ``into``."""
+        key = (kind, nproc)
+        if key not in self.done:
+            directory = self.root / f"{kind}{nproc}"
+            with PluginSandbox(keep_installed=["kwplug-fsdp"]):
+                saved = run_distributed(save, str(directory), kind, nproc=nproc, timeout=240)
+            self.done[key] = (directory, saved, files(directory))
+        directory, saved, written = self.done[key]
+        shutil.copytree(directory, into, symlinks=True)
+        return saved, written
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory: pytest.TempPathFactory) -> Saves:
+    return Saves(tmp_path_factory.mktemp("saves"))
+
+
 @pytest.mark.parametrize(
     ("before", "after"),
     [(("fsdp", 2), ("fsdp", 4)), (("fsdp", 4), ("fsdp", 2)), (("fsdp", 2), ("ddp", 2))],
     ids=["fsdp2-to-fsdp4", "fsdp4-to-fsdp2", "fsdp2-to-ddp2"],
 )
 def test_sharded_checkpoint_reshards_exactly(
-    tmp_path: Path, before: tuple[str, int], after: tuple[str, int]
+    tmp_path: Path, saves: Saves, before: tuple[str, int], after: tuple[str, int]
 ) -> None:
     directory = tmp_path / "ckpt"
+    saved, written = saves.get(*before, into=directory)
     with PluginSandbox(keep_installed=["kwplug-fsdp"]):
-        saved = run_distributed(save, str(directory), before[0], nproc=before[1], timeout=240)
-        written = files(directory)
         loaded = run_distributed(load, str(directory), after[0], nproc=after[1], timeout=240)
     # Each rank wrote its own shard files; no full model file, no pickle, no .metadata.
     assert {f"model_0-shard_{r:05d}.safetensors" for r in range(before[1])} <= written
@@ -157,10 +185,10 @@ def test_ddp_checkpoint_loads_into_fsdp(tmp_path: Path) -> None:
     assert_equal(saved[0], loaded[0], ("model", "optimizer"))
 
 
-def test_sharded_resume_is_bitwise_and_full_state_dict_stays(tmp_path: Path) -> None:
+def test_sharded_resume_is_bitwise_and_full_state_dict_stays(tmp_path: Path, saves: Saves) -> None:
     sharded_dir, full_dir = tmp_path / "sharded", tmp_path / "full"
+    saved, _ = saves.get("fsdp", 2, into=sharded_dir)
     with PluginSandbox(keep_installed=["kwplug-fsdp"]):
-        saved = run_distributed(save, str(sharded_dir), "fsdp", nproc=2, timeout=240)
         loaded = run_distributed(load, str(sharded_dir), "fsdp", nproc=2, timeout=240)
         # FULL_STATE_DICT from the plugin: rank 0's full files, as before (export).
         full = run_distributed(save, str(full_dir), "fsdp", "FULL_STATE_DICT", nproc=2)
