@@ -4,7 +4,9 @@
 (:mod:`benchmarks.bandwidth`, needs root; not part of the default run) and
 ``python -m benchmarks startup`` the start-up one alone (:mod:`benchmarks.construct_import`);
 ``python -m benchmarks checkpoint`` the checkpoint memory and time one
-(:mod:`benchmarks.checkpoint`, gigabytes written; not part of the default run either).
+(:mod:`benchmarks.checkpoint`, gigabytes written; not part of the default run either);
+``python -m benchmarks instructions`` counts the instructions of a training step under
+callgrind (:mod:`benchmarks.step_instructions`, needs valgrind; not in the default run).
 
 Each benchmark runs in a fresh interpreter (``python -m benchmarks.<name> --json <tmp>``, one
 OpenMP thread), prints its own table as it finishes, and the combined three-way table and the
@@ -66,6 +68,7 @@ SUBCOMMANDS = {
     "bandwidth": "benchmarks.bandwidth",
     "startup": "benchmarks.construct_import",
     "checkpoint": "benchmarks.checkpoint",
+    "instructions": "benchmarks.step_instructions",
 }
 
 

@@ -17,6 +17,11 @@ import torch
 from kwplug.precision import LossScaler
 from kwplug.utils.structures import send_to_device
 
+#: torch's own ``Optimizer.zero_grad``, which ``torch._disable_dynamo`` wraps in a
+#: ``(*args, **kwargs)`` function: a keyword argument costs a dict per call there, a
+#: positional one does not.
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
 
 class SyncState(Protocol):
     """What the wrapper reads from the Accelerator: whether this step synchronises gradients
@@ -229,7 +234,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         nothing while gradients accumulate."""
         state = self.gradient_state
         if state is None or state.sync_gradients:
-            self.optimizer.zero_grad(set_to_none=True if set_to_none is None else set_to_none)
+            zero_grad = self.optimizer.zero_grad
+            if getattr(zero_grad, "__func__", None) is _TORCH_ZERO_GRAD:
+                zero_grad(True if set_to_none is None else set_to_none)
+            else:
+                zero_grad(set_to_none=True if set_to_none is None else set_to_none)
 
     def train(self) -> None:
         """``optimizer.train()`` when the wrapped optimizer has one (schedule-free)."""

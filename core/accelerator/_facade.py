@@ -39,6 +39,10 @@ from kwplug.utils.dataclasses import (
 )
 from kwplug.validators import cut_error
 
+#: What ``autocast()`` returns without mixed precision: ``contextlib.nullcontext`` holds no
+#: state, so one instance can be entered by any number of calls, nested or in threads.
+_NO_AUTOCAST = contextlib.nullcontext()
+
 
 class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndProcessAPI):
     """Runs a training loop on the device and processes chosen by torchrun, through plugins.
@@ -275,7 +279,10 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
             TypeError: ``autocast_handler`` is not a handler instance.
         """
         if autocast_handler is None:
-            return self._setup.autocast_factory()
+            own = self._setup.autocast_factory
+            # One stateless nullcontext serves every call: no object and no __init__ frame
+            # per step (what the full-precision step would otherwise pay here).
+            return _NO_AUTOCAST if own is contextlib.nullcontext else own()
         factory = self.plugin_manager.first_with(autocast_handler).autocast(
             device_type=self.device_type, mixed_precision=self.mixed_precision
         )
