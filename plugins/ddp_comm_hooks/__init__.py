@@ -25,6 +25,7 @@ and the batched hook), ``_power_sgd_inplace`` (kwplug's per-tensor PowerSGD),
 ``_power_sgd_state`` (PowerSGD's save, restore and resize rules),
 ``_compose`` (the registered callable), ``_checkpoint`` (a hook's state as checkpoints see it),
 ``_canonical`` (the layout-independent bucket view that makes a resumed PowerSGD run exact),
+``_bucket_plan`` (how a real bucket is cut into canonical ones; the recorded bucket layout),
 ``_adapters`` (gloo ordering of chained collectives, making any callable acceptable to DDP),
 ``_common`` (shared helpers).
 """
@@ -45,11 +46,8 @@ from kwplug.plugins.ddp_comm_hooks._allreduce import (
     fp16_compress_wrapper,
     mean_allreduce_hook,
 )
-from kwplug.plugins.ddp_comm_hooks._canonical import (
-    BucketKey,
-    CanonicalBucket,
-    canonical_bucket_hook,
-)
+from kwplug.plugins.ddp_comm_hooks._bucket_plan import BucketKey
+from kwplug.plugins.ddp_comm_hooks._canonical import CanonicalBucket, canonical_bucket_hook
 from kwplug.plugins.ddp_comm_hooks._checkpoint import HookCheckpoint, checkpointed_state
 from kwplug.plugins.ddp_comm_hooks._compose import compose
 from kwplug.plugins.ddp_comm_hooks._power_sgd import (

@@ -8,23 +8,27 @@ sees another layout in a freshly built DDP than in the process that saved its st
 A canonical bucket's key names its parameters by their index in ``model.parameters()``, in
 the order DDP's bucket held them when the hook's state first got the key (on DDP's own layout
 the hook computes what it computes unwrapped: Accelerate's weights), or, when the state's
-keys are not known, in the parameters' own order.
+keys are not known, in the parameters' own order. How a real bucket is cut into canonical
+buckets, and the layout a state records for checkpoints, is :mod:`._bucket_plan`.
 """
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
-import attrs
 import torch
 
 from kwplug.comm_hooks import HookFn
+from kwplug.plugins.ddp_comm_hooks._bucket_plan import (
+    BucketKey,
+    Group,
+    LayoutRecorder,
+    Plan,
+    known_keys,
+    make_plan,
+)
 from kwplug.plugins.ddp_comm_hooks._common import GradBucket, describe, future_tensor
-
-#: Key of a :class:`CanonicalBucket`: its parameters' indices in ``model.parameters()``, in
-#: the bucket's canonical order (the module docstring says which).
-BucketKey = tuple[int, ...]
 
 #: Attribute of a hook function that works only through ``bucket.gradients()``, in place,
 #: and keeps no state laid out like ``bucket.buffer()`` (kwplug's ``power_sgd_inplace_hook``):
@@ -117,108 +121,6 @@ class CanonicalBucket:
         return f"CanonicalBucket(index={self._key}, numel={self._buffer.numel()})"
 
 
-@attrs.frozen
-class _Group:
-    # One canonical bucket cut from a real bucket: the real-bucket positions of its
-    # parameters in canonical order, their element offsets in the real buffer and sizes.
-    key: BucketKey
-    positions: tuple[int, ...]
-    offsets: tuple[int, ...]
-    numels: tuple[int, ...]
-    shapes: tuple[torch.Size, ...]
-    # 0 when the parameters lie in canonical order, back to back, at the start of the real
-    # buffer: the canonical buffer is a slice of it, no copy. A group further in (a tile of a
-    # resumed run's initial bucket) is gathered into a buffer of its own, aligned like the
-    # DDP bucket the state was built on: CPU BLAS rounds differently at another alignment.
-    start: int | None
-
-    @property
-    def numel(self) -> int:
-        return sum(self.numels)
-
-
-@attrs.frozen
-class _Plan:
-    groups: tuple[_Group, ...]
-    # The real buffer is the real-order gradients back to back, nothing else: the scatter of
-    # a single copied group is one torch.cat(..., out=buffer).
-    dense: bool
-
-
-def _known_keys(
-    state: Any, state_buckets: Callable[[Any], Iterable[Any]] | None
-) -> frozenset[BucketKey]:
-    if state_buckets is None:
-        return frozenset()
-    return frozenset(
-        key
-        for key in state_buckets(state)
-        if isinstance(key, tuple) and all(isinstance(i, int) for i in key)
-    )
-
-
-def _partition(
-    indices: list[int], known: frozenset[BucketKey], *, layout_order: bool
-) -> list[BucketKey]:
-    # The keys the state already holds for this bucket's parameters: one with exactly these
-    # parameters (its order is the layout the state was built in), or several that exactly tile
-    # the bucket (the first step after a resume, when DDP still has its initial single bucket
-    # while the saved state has one entry per rebuilt bucket). Else a new key: this layout's
-    # order when the state will record it (``layout_order``), else the parameters' order.
-    members = frozenset(indices)
-    for key in known:
-        if len(key) == len(members) and frozenset(key) == members:
-            return [key]
-    inside = [key for key in known if key and members.issuperset(key)]
-    covered = [i for key in inside for i in key]
-    if inside and len(covered) == len(members) and set(covered) == members:
-        # DDP fills buckets in gradient-ready order, roughly the reverse of the parameters:
-        # process the tiles the same way (last = the one with the first parameters).
-        return sorted(inside, key=max, reverse=True)
-    return [tuple(indices) if layout_order else tuple(sorted(indices))]
-
-
-def _make_plan(
-    bucket: GradBucket,
-    order: Mapping[int, int],
-    known: frozenset[BucketKey],
-    *,
-    layout_order: bool,
-) -> _Plan:
-    buffer = bucket.buffer()
-    base = buffer.storage_offset()
-    params = bucket.parameters()
-    grads = bucket.gradients()
-    offsets = [int(grad.storage_offset()) - int(base) for grad in grads]
-    numels = [grad.numel() for grad in grads]
-    # A parameter missing from param_order (should not happen) goes after the known ones.
-    canonical = [order.get(id(p), len(order) + pos) for pos, p in enumerate(params)]
-    position_of = {index: pos for pos, index in enumerate(canonical)}
-    groups = []
-    for key in _partition(canonical, known, layout_order=layout_order):
-        positions = tuple(position_of[index] for index in key)
-        group_offsets = tuple(offsets[pos] for pos in positions)
-        group_numels = tuple(numels[pos] for pos in positions)
-        back_to_back = all(
-            group_offsets[i + 1] == group_offsets[i] + group_numels[i]
-            for i in range(len(positions) - 1)
-        )
-        groups.append(
-            _Group(
-                key=key,
-                positions=positions,
-                offsets=group_offsets,
-                numels=group_numels,
-                shapes=tuple(grads[pos].shape for pos in positions),
-                start=0 if back_to_back and group_offsets[0] == 0 else None,
-            )
-        )
-    dense = sum(numels) == buffer.numel() and all(
-        offsets[i] == sum(numels[:i]) for i in range(len(offsets))
-    )
-    return _Plan(groups=tuple(groups), dense=dense)
-
-
 def canonical_bucket_hook(
     hook: HookFn,
     param_order: Iterable[torch.Tensor],
@@ -254,7 +156,12 @@ def canonical_bucket_hook(
     state also tell how parameters were grouped before: when a real bucket is exactly tiled by
     several such keys (a resumed run's first step, where DDP still has its initial single
     bucket and the saved state one entry per rebuilt bucket), ``hook`` runs once per tile, so
-    the state is applied to the same parameter groups as in the saving process.
+    the state is applied to the same parameter groups as in the saving process. A state with
+    a ``kwplug_bucket_layout`` attribute (kwplug's PowerSGD state) also gets each step's
+    canonical keys recorded there, in the order ``hook`` ran them; a layout found there that
+    this hook did not record (saved with the state and restored) is looked at first: it cuts
+    a resumed run's first buckets, in the saving run's order, even when the state holds no
+    key (saved before compression started, or with neither error feedback nor warm start).
 
     Cost per step and bucket: when the bucket's gradients already lie in canonical order (with
     ``state_buckets``, every step of an uninterrupted run) nothing is copied; otherwise (a
@@ -282,7 +189,8 @@ def canonical_bucket_hook(
         raise TypeError(f"canonical_bucket_hook wraps a callable hook(state, bucket), got {hook!r}")
     order = {id(p): i for i, p in enumerate(param_order)}
     in_place = bool(getattr(hook, IN_PLACE_VIEWS, False))
-    plans: dict[tuple[Any, ...], _Plan] = {}
+    plans: dict[tuple[Any, ...], Plan] = {}
+    recorder = LayoutRecorder() if state_buckets is not None else None
     # Per (plan, group): the canonical buffer a copied group is gathered into, reused every
     # step (a fresh bucket-sized tensor per step costs page faults). DDP waits for every
     # bucket's future before the next step, so no step reuses one still in use.
@@ -291,16 +199,19 @@ def canonical_bucket_hook(
     def canonical_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         params = bucket.parameters()
-        known = _known_keys(state, state_buckets)
-        signature = (bucket.index(), buffer.numel(), tuple(map(id, params)), known)
+        known = known_keys(state, state_buckets)
+        layout = recorder.loaded(state) if recorder is not None else ()
+        signature = (bucket.index(), buffer.numel(), tuple(map(id, params)), layout, known)
         plan = plans.get(signature)
         if plan is None:
             if len(plans) >= 64:
                 plans.clear()
                 scratch.clear()
-            plan = plans[signature] = _make_plan(
-                bucket, order, known, layout_order=state_buckets is not None
+            plan = plans[signature] = make_plan(
+                bucket, order, layout, known, layout_order=recorder is not None
             )
+        if recorder is not None:
+            recorder.record(state, bucket, plan)
         last = bucket.is_last()
         if in_place and plan.dense and len(plan.groups) == 1:
             return _in_place(hook, state, bucket, plan.groups[0], last)
@@ -364,7 +275,7 @@ def canonical_bucket_hook(
 
 
 def _in_place(
-    hook: HookFn, state: Any, bucket: GradBucket, group: _Group, last: bool
+    hook: HookFn, state: Any, bucket: GradBucket, group: Group, last: bool
 ) -> torch.futures.Future[torch.Tensor]:
     # One canonical bucket covering the whole real one: the real buffer, the gradients as
     # views into it in canonical order; the hook updates them in place.

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from kwplug.plugins.ddp_comm_hooks._adapters import ORDERS_COLLECTIVES
+from kwplug.plugins.ddp_comm_hooks._bucket_plan import BucketLayout
 from kwplug.plugins.ddp_comm_hooks._common import (
     GradBucket,
     all_reduce_async,
@@ -85,10 +86,13 @@ class _OrderedPowerSGDState(PowerSGDState):
     all-reduces ``Q``, so that its collectives keep one order on every rank without waiting
     inside DDP's autograd callback (see :func:`make_power_sgd_state`), and on which every other
     bucket of torch's per-tensor ``powerSGD_hook`` runs (:meth:`kwplug_lanes`). Saved and
-    restored exactly as ``PowerSGDState`` (the groups and the ordering future are never
-    saved)."""
+    restored as ``PowerSGDState`` (the groups and the ordering future are never saved), plus
+    the canonical bucket layout (``kwplug_bucket_layout``, see
+    :data:`~kwplug.plugins.ddp_comm_hooks._bucket_plan.BUCKET_LAYOUT`), which
+    :func:`~kwplug.plugins.ddp_comm_hooks.power_sgd_state_dict` saves beside the slots."""
 
-    __slots__ = ("q_issued", "q_process_group")
+    __slots__ = ("kwplug_bucket_layout", "q_issued", "q_process_group")
+    kwplug_bucket_layout: BucketLayout | None
     q_issued: torch.futures.Future[None] | None
     q_process_group: dist.ProcessGroup | None
 
@@ -172,6 +176,7 @@ def make_power_sgd_state(
     state = _OrderedPowerSGDState(process_group=process_group, **dict(options))
     state.q_process_group = _q_group(process_group)
     state.q_issued = None
+    state.kwplug_bucket_layout = None
     return state
 
 

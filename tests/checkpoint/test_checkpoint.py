@@ -122,6 +122,39 @@ def test_ddp_power_sgd_resume_with_several_buckets_is_bitwise_exact(
     assert torch.equal(torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt"))
 
 
+@pytest.mark.parametrize(
+    ("hook", "save_at", "options"),
+    [
+        ("power_sgd", "2", []),
+        ("batched_power_sgd", "2", []),
+        ("power_sgd", "5", ["--no-error-feedback", "--no-warm-start"]),
+        ("batched_power_sgd", "5", ["--no-error-feedback", "--no-warm-start"]),
+    ],
+    ids=["power_sgd", "batched_power_sgd", "power_sgd-stateless", "batched_power_sgd-stateless"],
+)
+def test_ddp_power_sgd_resume_before_any_bucket_key_is_bitwise_exact(
+    tmp_path: Path, hook: str, save_at: str, options: list[str]
+) -> None:
+    # The checkpoint holds no PowerSGD bucket key: saved after step 2 with
+    # start_powerSGD_iter=2 (the resumed run's first step is the first compressed one), or
+    # with neither error feedback nor warm start (the state never keeps a key). The saved
+    # canonical layout (DDP's rebuilt buckets, in DDP's order) still cuts the resumed DDP's
+    # initial single bucket as the saving run's rebuilt buckets were cut.
+    ckpt = tmp_path / "ckpt"
+    options = ["--comm-hook", hook, "--model", "buckets", "--bucket-cap-mb", "0.001", *options]
+    torchrun(
+        WORKER,
+        str(tmp_path / "full.pt"),
+        *("--steps", "12", "--save-at", save_at, "--ckpt", str(ckpt), *options),
+    )
+    torchrun(
+        WORKER,
+        str(tmp_path / "resumed.pt"),
+        *("--steps", "12", "--resume", str(ckpt), "--start-step", save_at, *options),
+    )
+    assert torch.equal(torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt"))
+
+
 def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     run(str(tmp_path / "a.pt"), "--steps", "5", "--save-at", "5", "--ckpt", str(ckpt))

@@ -175,6 +175,76 @@ def test_bucket_tiled_by_state_keys_runs_the_hook_per_tile() -> None:
         assert [s["index"] for s in recorder.seen] == [(0, 1, 2, 3)]
 
 
+class LayoutState(KeyedState):
+    """A state that opts into a recorded bucket layout (as kwplug's PowerSGD state does)."""
+
+    def __init__(self, *keys: Any, layout: Any = None) -> None:
+        super().__init__(*keys)
+        self.kwplug_bucket_layout = layout
+
+
+def test_the_recorded_layout_cuts_a_resumed_first_bucket_in_its_order() -> None:
+    params, grads = params_and_grads()
+    recorder = Recorder()
+    hook = hooks.canonical_bucket_hook(
+        recorder, params, state_buckets=hooks.power_sgd_state_buckets
+    )
+    # A step on two buckets, with no key in the state (before compression starts): the
+    # state records the step's keys, in DDP's order and each bucket's own parameter order.
+    state = LayoutState()
+    first = [params[1], params[0]], [grads[1], grads[0]]
+    hook(state, RealBucket(*first, index=0, last=False))  # type: ignore[arg-type]
+    assert state.kwplug_bucket_layout is None  # recorded at the step's last bucket
+    hook(state, RealBucket([params[3], params[2]], [grads[3], grads[2]], index=1))  # type: ignore[arg-type]
+    assert state.kwplug_bucket_layout == ((1, 0), (3, 2))
+    # Its own record does not cut the next step's buckets (DDP may have rebuilt them): a
+    # bucket runs under its own order, as torch's hook would see it.
+    recorder.seen.clear()
+    order = [2, 0, 3, 1]
+    hook(state, RealBucket([params[i] for i in order], [grads[i] for i in order]))  # type: ignore[arg-type]
+    assert [s["index"] for s in recorder.seen] == [tuple(order)]
+    assert state.kwplug_bucket_layout == (tuple(order),)
+    # A resumed run's first step (one bucket, DDP's initial layout): cut along the saved
+    # layout, in its order (not the usual later-parameters-first), even over a stale key.
+    recorder.seen.clear()
+    resumed = LayoutState((0, 1, 2, 3), layout=((1, 0), (3, 2)))
+    out = hook(resumed, RealBucket(params, grads)).wait()  # type: ignore[arg-type]
+    assert [(s["index"], s["last"]) for s in recorder.seen] == [((1, 0), False), ((3, 2), True)]
+    assert torch.equal(recorder.seen[1]["buffer"], canonical(grads, [3, 2]))
+    assert torch.equal(out, canonical(grads, [0, 1, 2, 3]) * 10)
+    assert resumed.kwplug_bucket_layout == ((1, 0), (3, 2))
+    # No layout (a checkpoint from before kwplug saved it), or one that does not fit: the
+    # state's keys decide, as before.
+    for layout in (None, ((0, 1),), "not a layout"):
+        recorder.seen.clear()
+        hook(LayoutState((2, 3), (0, 1), layout=layout), RealBucket(params, grads))  # type: ignore[arg-type]
+        assert [s["index"] for s in recorder.seen] == [(2, 3), (0, 1)]
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_power_sgd_state_saves_and_restores_its_bucket_layout() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    options = {"start_powerSGD_iter": 2}
+    state = hooks.make_power_sgd_state(None, options)
+    assert "kwplug_bucket_layout" not in hooks.power_sgd_state_dict(state)  # no step yet
+    state.kwplug_bucket_layout = ((1, 0), (3, 2))  # type: ignore[attr-defined]
+    saved = hooks.power_sgd_state_dict(state)
+    assert saved["kwplug_bucket_layout"] == ((1, 0), (3, 2))
+    fresh = hooks.make_power_sgd_state(None, options)
+    hooks.load_power_sgd_state(fresh, saved)
+    assert fresh.kwplug_bucket_layout == ((1, 0), (3, 2))  # type: ignore[attr-defined]
+    # Kept across sizes (the same on every process); an older checkpoint has none.
+    resized = hooks.resize_power_sgd_state(saved, 2, 3)
+    assert resized["kwplug_bucket_layout"] == ((1, 0), (3, 2)) and "error_dict" not in resized
+    old = {k: v for k, v in saved.items() if k != "kwplug_bucket_layout"}
+    hooks.load_power_sgd_state(fresh, old)
+    assert fresh.kwplug_bucket_layout is None  # type: ignore[attr-defined]
+    plain = PowerSGDState(process_group=None, start_powerSGD_iter=2)
+    hooks.load_power_sgd_state(plain, saved)  # no slot for it: ignored
+    assert plain.iter == state.iter
+
+
 POWER_SGD_HOOKS = [
     torch_psgd.powerSGD_hook,
     hooks.batched_power_sgd_hook,

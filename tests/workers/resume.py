@@ -3,6 +3,7 @@
 Usage: resume.py OUT --steps N [--save-at K --ckpt DIR] [--resume DIR --start-step K]
                  [--mixed-precision fp16] [--comm-hook power_sgd] [--comm-wrapper fp16]
                  [--gradient-as-bucket-view] [--crash-in-save] [--model buckets --bucket-cap-mb MB]
+                 [--start-iter N] [--no-error-feedback] [--no-warm-start]
 Runs single-process or under torchrun.
 """
 
@@ -36,12 +37,21 @@ def main() -> None:
     parser.add_argument("--crash-in-save", action="store_true")
     parser.add_argument("--model", choices=["mlp", "buckets"], default="mlp")
     parser.add_argument("--bucket-cap-mb", type=float)
+    # PowerSGD's start_powerSGD_iter, use_error_feedback and warm_start.
+    parser.add_argument("--start-iter", type=int, default=2)
+    parser.add_argument("--no-error-feedback", action="store_true")
+    parser.add_argument("--no-warm-start", action="store_true")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
-    options = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
+    options = {
+        "matrix_approximation_rank": 1,
+        "start_powerSGD_iter": args.start_iter,
+        "use_error_feedback": not args.no_error_feedback,
+        "warm_start": not args.no_warm_start,
+    }
     ddp = DistributedDataParallelKwargs(
         comm_hook=args.comm_hook,
         comm_state_option=options if "power_sgd" in args.comm_hook else {},
