@@ -1,9 +1,15 @@
 """The kill loop with sharded saves: a 2-process FSDP2 job saving SHARDED_STATE_DICT
-checkpoints in a row is SIGKILLed (the whole job) at random instants; after every kill the
+checkpoints in a row is SIGKILLed (both ranks at once) at random instants; after every kill the
 newest complete checkpoint loads (into a plain model, DCP reading the full tensors), holds one
 consistent save (every tensor of both ranks' shards equal to the counter rank 0 saved) and is
 at least as new as the last save that returned; the next job resumes from it (a sharded load
-in 2 processes)."""
+in 2 processes).
+
+The ranks are started as ``torchrun`` starts them, by torch's elastic agent, but forked from the
+server that imported torch once (``kwplug.testing.run_torchrun``): what is killed is the two
+rank processes, with SIGKILL, as before; the agent (here a thread of this process, not a third
+interpreter) then sees both ranks gone and returns. Each job starts in about a second instead
+of three interpreters importing torch, six times."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +27,7 @@ import torch
 
 from kwplug.checkpoint import _commit as commit
 from kwplug.testing import PluginSandbox
-from kwplug.testing.distributed import child_environment, free_port
+from kwplug.testing.distributed import run_torchrun
 
 pytest.importorskip("kwplug_fsdp")
 
@@ -53,44 +60,51 @@ def check(directory: Path) -> int:
     return counter.n
 
 
+def _saver_job(
+    directory: Path,
+    ack: Path,
+    env: dict[str, str],
+    folder: Path,
+    ended: list[subprocess.CompletedProcess[str]],
+) -> None:
+    """The 2-rank saving job, until its ranks are killed (run in a thread by the test)."""
+    ended.append(
+        run_torchrun(
+            [str(WORKER), str(directory), str(ack)], nproc=2, timeout=300, env=env, folder=folder
+        )
+    )
+
+
 def test_sharded_kill_loop_loses_nothing(tmp_path: Path) -> None:
     directory, ack = tmp_path / "ckpt", tmp_path / "ack"
     rng = random.Random(7)
     survived = unfinished = 0
     with PluginSandbox(keep_installed=["kwplug-fsdp"]) as sandbox:
-        env = child_environment({**sandbox.environment(), "OMP_NUM_THREADS": "1"})
-        for _ in range(KILLS):
+        env = {**sandbox.environment(), "OMP_NUM_THREADS": "1"}
+        for number in range(KILLS):
             before = len(acknowledged(ack))
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node=2",
-                "--master-addr=127.0.0.1",
-                f"--master-port={free_port()}",
-                str(WORKER),
-                str(directory),
-                str(ack),
-            ]
             for pid in tmp_path.glob("pid_*"):
                 pid.unlink()
-            log = (tmp_path / "log").open("w")
-            job = subprocess.Popen(
-                cmd, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT
+            ended: list[subprocess.CompletedProcess[str]] = []
+            job = threading.Thread(
+                target=_saver_job,
+                args=(directory, ack, env, tmp_path / f"job{number}", ended),
+                daemon=True,
             )
+            job.start()
             deadline = time.monotonic() + 180
             while len(acknowledged(ack)) <= before:  # the job is saving
-                assert job.poll() is None, (tmp_path / "log").read_text()[-4000:]
+                assert job.is_alive(), ended[-1].stdout[-4000:] if ended else "no job"
                 assert time.monotonic() < deadline, "no save acknowledged in 180 s"
                 time.sleep(0.05)
             time.sleep(rng.uniform(0.0, 1.5))
             ranks = [int(p.read_text()) for p in sorted(tmp_path.glob("pid_*"))]
             assert len(ranks) == 2
-            for pid in ranks:  # both ranks at once, as a lost node; then torchrun
+            for pid in ranks:  # both ranks at once, as a lost node; the agent then returns
                 os.kill(pid, signal.SIGKILL)
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-            log.close()
+            job.join(120)
+            assert not job.is_alive(), "the agent did not return after its ranks were killed"
+            assert ended and ended[-1].returncode != 0, ended
             for pid in ranks:  # gone before anything is read
                 while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
                     time.sleep(0.01)
