@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -289,7 +290,12 @@ def merge_comm_hooks(
             record = _sourced(record, plugin_name)
         return record, record.source
 
-    return merge(
+    global _last_merge
+    inputs = _merge_inputs(contributions)
+    last = _last_merge
+    if inputs is not None and last is not None and _same_inputs(inputs, last[0]):
+        return dict(last[1])  # each caller gets a dict of its own
+    merged = merge(
         "comm_hooks",
         contributions,
         entry=entry,
@@ -297,6 +303,45 @@ def merge_comm_hooks(
         kind="kwplug.CommHook",
         remedy="block one of the plugins or rename the hook",
         start={name: (record, record.source) for name, record in _REGISTRY.items()},
+    )
+    if inputs is not None:
+        _last_merge = (inputs, dict(merged))
+    return merged
+
+
+# The last merge and what it was merged from: every Accelerator merges the same plugins'
+# answers (the same frozen records, as the plugins keep them) with the same registry, and the
+# merge checks each record again. ``(names, objects)``: the names (compared by value) and the
+# records and answers (compared by identity, and kept alive here so that no id is reused) in
+# the registry's and the answers' order. A failed merge is not kept: it raises every time.
+_MergeInputs = tuple[tuple[str | int, ...], tuple[Any, ...]]
+_last_merge: tuple[_MergeInputs, dict[str, CommHook]] | None = None
+
+
+def _merge_inputs(
+    contributions: list[tuple[str, Mapping[str, CommHook] | None]],
+) -> _MergeInputs | None:
+    # What merge_comm_hooks' result depends on, or None when it cannot be told from identities
+    # (an answer that is a mapping of another kind may change in place, or compute its items).
+    names: list[str | int] = [len(_REGISTRY), *_REGISTRY]
+    objects: list[Any] = [*_REGISTRY.values()]
+    for plugin, answer in contributions:
+        if answer is None:
+            names.append(plugin)
+            names.append(-1)
+            continue
+        if type(answer) is not dict:
+            return None
+        names.append(plugin)
+        names.append(len(answer))
+        names.extend(answer)
+        objects.extend(answer.values())
+    return tuple(names), tuple(objects)
+
+
+def _same_inputs(new: _MergeInputs, old: _MergeInputs) -> bool:
+    return (
+        new[0] == old[0] and len(new[1]) == len(old[1]) and all(map(operator.is_, new[1], old[1]))
     )
 
 

@@ -8,6 +8,9 @@ nothing of kwplug above the contracts.
 - ``additive``: the ``ADDITIVE`` policy's merge of plugins' name -> value answers.
 - ``lazy``: the PEP 562 re-export tables of ``kwplug``, ``kwplug.utils`` and
   ``kwplug.tracking``; ``BUILTIN_HANDLERS``.
+- ``pristine``: default objects (handlers, option objects) built once and handed out as
+  copies while the environment is unchanged.
+- ``environ``: ``os.environ`` read without the exception a missing name costs.
 
 No face: each module is imported by its own path (the names are re-exported publicly by
 :mod:`kwplug.hookspecs`, :mod:`kwplug.tracking` and :mod:`kwplug.comm_hooks`).

@@ -32,7 +32,7 @@ from kwplug._plugins._discovery import (
     visible,
 )
 from kwplug._plugins._manager import TRACE_ENV, KwplugPluginManager
-from kwplug._plugins._records import GROUP, PluginRecord
+from kwplug._plugins._records import GROUP, PluginRecord, register_defaults
 from kwplug._plugins._reuse import manager_for
 from kwplug._plugins._rules import (
     device_types_problem,
@@ -57,6 +57,7 @@ __all__ = [
     "discover",
     "listen_imports",
     "manager_for",
+    "register_defaults",
     "require_handler_instance",
     "require_handler_list",
     "set_visible",

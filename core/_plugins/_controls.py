@@ -21,12 +21,12 @@ An unknown name is a :class:`~kwplug.errors.PluginLoadWarning` listing the known
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections.abc import Iterable, Mapping
 
 import attrs
 
+from kwplug._contracts.environ import get as read_environ
 from kwplug.errors import PluginLoadError, PluginLoadWarning
 
 DISABLE_AUTOLOAD_ENV = "KWPLUG_DISABLE_PLUGIN_AUTOLOAD"
@@ -128,11 +128,11 @@ class LoadControls:
                 (``1``, ``true``, ``yes``, ``on``) nor false (``0``, ``false``, ``no``,
                 ``off``, empty).
         """
-        env = os.environ if environ is None else environ
         # Read the four raw values every time (a script or test may change them between
         # Accelerators); parsing them is memoised on those exact strings, so the answer is
         # the same as parsing afresh, and an invalid value raises on every call.
-        raw = tuple(env.get(name) for name in _CONTROL_ENVS)
+        get = read_environ if environ is None else environ.get  # (unset names, cheaply)
+        raw = tuple([get(name) for name in _CONTROL_ENVS])
         controls = _parse_controls(raw)
         return controls if cls is LoadControls else cls(**attrs.asdict(controls, recurse=False))
 

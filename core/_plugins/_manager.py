@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import pluggy
 
+from kwplug._contracts.environ import get as read_environ
 from kwplug._plugins._calls import PER_CALL, Answer, HookCalls, is_watched, revalidate
 from kwplug._plugins._conflicts import conflict_error, find_conflicts
 from kwplug._plugins._records import PluginRecord, loaded, plugin_object
@@ -81,7 +81,7 @@ class KwplugPluginManager(pluggy.PluginManager):
         self.first = FirstRelay(self._calls.first)
         #: The collecting hooks, by name: ``plugins.each.comm_hooks()``.
         self.each = EachRelay(self._calls.each)
-        if os.environ.get(TRACE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        if read_environ(TRACE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
             self.add_hookcall_monitoring(self._trace_before, self._trace_after)
 
     def parse_hookimpl_opts(self, plugin: Any, name: str) -> pluggy.HookimplOpts | None:

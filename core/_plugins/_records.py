@@ -80,6 +80,24 @@ def plugin_object(record: PluginRecord) -> Any:
     return record.obj
 
 
+# The handler classes of the last discovery result asked about (the result is an immutable
+# tuple of frozen records, so its classes never change).
+_classes_of: tuple[tuple[PluginRecord, ...], tuple[type[KwargsHandler], ...]] = ((), ())
+
+
+def register_defaults(records: tuple[PluginRecord, ...]) -> tuple[bool, ...]:
+    """Each handler class's ``register_default`` in ``records``, in order: part of the keys
+    under which a manager template and the set-up answers are kept (a class variable a script
+    may change at any time, so it is read every time; which records hold a class is not)."""
+    global _classes_of
+    known, classes = _classes_of
+    if known is not records:
+        found = (r.handler_class for r in records)
+        classes = tuple(cls for cls in found if cls is not None)
+        _classes_of = (records, classes)
+    return tuple([cls.register_default for cls in classes])
+
+
 def loaded(records: Iterable[PluginRecord]) -> list[PluginRecord]:
     """The records that loaded successfully."""
     return [r for r in records if r.loaded]

@@ -5,11 +5,17 @@ Building a :class:`KwplugPluginManager` the pluggy way (``add_hookspecs`` plus o
 ``Accelerator``'s construction, yet gives the same result every time for the same discovered
 plugins and the same classes of user handlers. So the first build for a combination is
 snapshotted into a :class:`_Template` -- the hook specs, the registered names in order, and
-each hook's implementations in pluggy's order -- and later managers are filled from it: new
-``HookCaller`` objects sharing the (immutable) specs, the user's own handler instances and
-fresh default handler instances registered under the same names, their hook implementations
-re-bound to those instances. Each Accelerator still gets its own manager (it may register or
-unregister plugins), its own plugin objects and its own ``plan``.
+each hook's implementations in pluggy's order -- and later managers are filled from it: the
+user's own handler instances and fresh default handler instances registered under the same
+names, and new ``HookCaller`` objects sharing the (immutable) specs, their hook
+implementations re-bound to those instances. Each Accelerator still gets its own manager (it
+may register or unregister plugins), its own plugin objects and its own ``plan``.
+
+Two things keep a copy cheap (issue 31, goal 3). A fresh default instance is a copy of one
+built before in the same environment (:class:`kwplug._contracts.pristine.Pristine`: built-in
+handler classes only, ``os.environ`` compared whole), not a new construction running its
+validators and environment reads again. And a ``HookCaller`` is made the first time the hook
+is asked for (:class:`_Relay`): a repeated construction asks one or two of them.
 
 A template is keyed on the discovery result (the very tuple :func:`kwplug.discover` returned,
 which changes with the loading controls and after a refresh), the user handlers' classes in
@@ -21,7 +27,8 @@ This copies pluggy's registration state (``HookCaller._hookimpls``, ``_name2plug
 ``_calls`` already uses ``PluginManager._hookexec``: private names that
 ``tests/gates/test_pluggy_private.py`` lists and checks against the installed pluggy (whose
 range ``pyproject.toml`` bounds); ``tests/plugin_system/test_setup_reuse.py`` checks that a
-copy equals a fresh build.
+copy equals a fresh build, ``tests/plugin_system/test_construct_copies.py`` that copies stay
+independent and that pluggy's ``unregister`` and monitoring see the lazily made callers.
 """
 
 from __future__ import annotations
@@ -33,15 +40,16 @@ from typing import Any, cast
 import attrs
 import pluggy
 
+from kwplug._contracts.pristine import Pristine
 from kwplug._plugins._manager import KwplugPluginManager
-from kwplug._plugins._records import PluginRecord
+from kwplug._plugins._records import PluginRecord, register_defaults
 from kwplug.handler import KwargsHandler
 
 #: Templates kept (one per combination of discovery result and user handler classes).
 MAX_TEMPLATES = 32
 
 _USER = "user"  # a slot filled with kwargs_handlers[index]
-_FRESH = "fresh"  # a slot filled with a new default instance of a handler class
+_FRESH = "fresh"  # a slot filled with a new default instance of a handler class (or a copy)
 _SHARED = "shared"  # a slot filled with the same object every time (a module plugin)
 
 
@@ -68,18 +76,96 @@ _SLOTS: dict[str, Any] = {
 _REBINDABLE = {"plugin", "function"} <= set(_SLOTS)
 
 
+# One hook of a template: its spec, and its implementations in pluggy's order as (slot index,
+# impl, rebind): rebind is None for a shared plugin's impl (used as it is), else how to re-bind
+# the impl to the slot's new object.
+_Hook = tuple[Any, tuple[tuple[int, pluggy.HookImpl, _Rebind | None], ...]]
+
+
 @attrs.frozen
 class _Template:
     records: tuple[PluginRecord, ...]
     slots: tuple[_Slot, ...]
-    # hook name, its spec, and its implementations in pluggy's order as (slot index, impl,
-    # rebind): rebind is None for a shared plugin's impl (used as it is), else the impl's
-    # constant slots as (descriptor setter, value) pairs and the method's function, to re-bind
-    # to the slot's new object
-    hooks: tuple[tuple[str, Any, tuple[tuple[int, pluggy.HookImpl, _Rebind | None], ...]], ...]
+    hooks: dict[str, _Hook]  # by hook name, in the order the built manager's relay held them
+    # The same facts as the slots hold, laid out for _fill's bulk updates.
+    names: tuple[str, ...] = attrs.field(init=False)
+    descriptions: dict[str, str] = attrs.field(init=False)
+    third_party: frozenset[str] = attrs.field(init=False)
 
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "names", tuple(slot.name for slot in self.slots))
+        descriptions = {slot.name: slot.description for slot in self.slots}
+        object.__setattr__(self, "descriptions", descriptions)
+        third_party = frozenset(slot.name for slot in self.slots if slot.third_party)
+        object.__setattr__(self, "third_party", third_party)
+
+
+# pluggy marks HookRelay final for type checkers; the subclass only makes its attributes on
+# first use, and isinstance(pm.hook, pluggy.HookRelay) stays true for code that checks.
+class _Relay(pluggy.HookRelay):  # type: ignore[misc]
+    """A copied manager's ``pm.hook``: each ``HookCaller`` is made from the template the first
+    time it is asked for.
+
+    A repeated construction asks one or two of the ~16 hooks (set-up answers are replayed), so
+    making all of them eagerly was a third of the manager copy. A made caller is an ordinary
+    attribute of the relay (Python finds it without coming here again). Everything that
+    enumerates the callers reads ``__dict__`` (``vars(pm.hook)``, pluggy's ``unregister`` ->
+    ``get_hookcallers`` and ``check_pending``), so reading it makes every caller not made yet
+    first: the relay then looks exactly like an eagerly filled one.
+    """
+
+    __slots__ = ("_hookexec", "_hooks", "_objects")
+
+    def __init__(
+        self,
+        hooks: dict[str, _Hook],
+        objects: list[Any],
+        hookexec: Callable[..., Any],
+    ) -> None:
+        super().__init__()
+        self._hooks = hooks  # the template's hooks (shared, never changed)
+        self._objects = objects  # the new manager's plugin objects, by slot index
+        self._hookexec = hookexec  # the new manager's _hookexec, as register() would use
+
+    def __getattr__(self, name: str) -> pluggy.HookCaller:
+        # Reached only for a name that is not an attribute yet: a hook not made yet, or none.
+        hook = _hooks(self).get(name)
+        if hook is None:
+            raise AttributeError(name)
+        caller = _caller(name, hook, self._objects, self._hookexec)
+        # setdefault: two threads making the same caller at once both get the one kept.
+        kept: pluggy.HookCaller = _RELAY_DICT.__get__(self).setdefault(name, caller)
+        return kept
+
+    @property
+    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]  # the same dict, complete
+        """Every hook caller by name (the ones not made yet are made first)."""
+        made = _RELAY_DICT.__get__(self)
+        for name in _hooks(self):
+            if name not in made:
+                getattr(self, name)
+        return made  # type: ignore[no-any-return]
+
+
+def _hooks(relay: _Relay) -> dict[str, _Hook]:
+    # The template's hooks, read past __getattr__: a relay made without __init__ (copy.copy)
+    # has no _hooks, and asking __getattr__ for it would recurse.
+    try:
+        hooks: dict[str, _Hook] = object.__getattribute__(relay, "_hooks")
+    except AttributeError:
+        return {}
+    return hooks
+
+
+# HookRelay's instance dict, read past _Relay's __dict__ property.
+_RELAY_DICT: Any = vars(pluggy.HookRelay).get("__dict__")
 
 _templates: dict[tuple[Any, ...], _Template] = {}
+
+# The default handler instances, built once per class and environment and copied for each
+# manager (building one runs its validators and, for some, reads os.environ: most of a
+# copy's cost); a class whose copy could differ from a new instance is built every time.
+_defaults = Pristine()
 
 
 def manager_for(
@@ -91,11 +177,7 @@ def manager_for(
     Raises:
         TypeError: a user handler's hookimpls fail pluggy's validation (names the class).
     """
-    key = (
-        id(records),
-        tuple(type(h) for h in handlers),
-        tuple(getattr(r.handler_class, "register_default", None) for r in records),
-    )
+    key = (id(records), tuple([type(h) for h in handlers]), register_defaults(records))
     template = _templates.get(key)
     if template is not None and template.records is records:  # not a reused id
         return _fill(template, handlers)
@@ -109,15 +191,17 @@ def manager_for(
 
 
 def clear() -> None:
-    """Forget every template (the next manager of each combination is built afresh)."""
+    """Forget every template and kept default instance (the next manager of each combination
+    is built afresh)."""
     _templates.clear()
+    _defaults.clear()
 
 
 def _snapshot(
     pm: KwplugPluginManager, handlers: Sequence[KwargsHandler], records: tuple[PluginRecord, ...]
 ) -> _Template | None:
     # A just-built manager as a template, or None when it cannot be copied faithfully.
-    if not _REBINDABLE:  # a pluggy whose HookImpl has no plugin/function slots
+    if not _REBINDABLE or _RELAY_DICT is None:  # a pluggy unlike the ones checked
         return None
     user = {id(h): index for index, h in enumerate(handlers)}
     slots: list[_Slot] = []
@@ -133,7 +217,7 @@ def _snapshot(
             kind, source = _SHARED, plugin
         index_of[id(plugin)] = len(slots)
         slots.append(_Slot(name, pm.describe(name), pm.is_third_party(name), kind, source))
-    hooks = []
+    hooks: dict[str, _Hook] = {}
     for name, caller in vars(pm.hook).items():
         if not isinstance(caller, pluggy.HookCaller) or caller.is_historic():
             return None
@@ -144,44 +228,52 @@ def _snapshot(
             if slot.kind != _SHARED and not (isinstance(impl.function, types.MethodType) and bound):
                 return None  # not a plain method of the instance: cannot be re-bound
             impls.append((index_of[id(impl.plugin)], impl, _rebind(impl, slot.kind)))
-        hooks.append((name, caller.spec, tuple(impls)))
-    return _Template(records, tuple(slots), tuple(hooks))
+        hooks[name] = (caller.spec, tuple(impls))
+    return _Template(records, tuple(slots), hooks)
 
 
 def _fill(template: _Template, handlers: Sequence[KwargsHandler]) -> KwplugPluginManager:
     pm = KwplugPluginManager(specs=False)
-    objects: list[Any] = []
-    for slot in template.slots:
-        if slot.kind == _USER:
-            obj = handlers[slot.source]
-        elif slot.kind == _FRESH:
-            obj = slot.source()
-        else:
-            obj = slot.source
-        objects.append(obj)
-        pm._name2plugin[slot.name] = obj  # registration order, as register() left it
-        pm._descriptions[slot.name] = slot.description
-        if slot.third_party:
-            pm._third_party.add(slot.name)
+    _defaults.check()  # the environment the kept defaults were built in, or forget them
+    new = _defaults.new
+    objects: list[Any] = [
+        handlers[slot.source]
+        if slot.kind == _USER
+        else new(slot.source)
+        if slot.kind == _FRESH
+        else slot.source
+        for slot in template.slots
+    ]
+    pm._name2plugin.update(zip(template.names, objects, strict=True))  # in register() order
+    pm._descriptions.update(template.descriptions)
+    pm._third_party.update(template.third_party)
+    # pluggy declares ``hook`` Final; this manager is new and nothing has read it yet.
+    pm.hook = _Relay(template.hooks, objects, pm._hookexec)  # type: ignore[misc]
+    return pm
+
+
+def _caller(
+    name: str, hook: _Hook, objects: list[Any], hookexec: Callable[..., Any]
+) -> pluggy.HookCaller:
+    # One HookCaller of a copied manager: the template's spec and implementations, each
+    # user or default handler's re-bound to the manager's own object.
+    spec, impls = hook
+    caller = pluggy.HookCaller(name, hookexec)
+    caller.spec = spec
+    out = caller._hookimpls
     new, method = object.__new__, types.MethodType
     set_plugin, set_function = _SLOTS["plugin"].__set__, _SLOTS["function"].__set__
-    hookexec = pm._hookexec
-    for name, spec, impls in template.hooks:
-        caller = pluggy.HookCaller(name, hookexec)
-        caller.spec = spec
-        out = caller._hookimpls
-        for index, impl, rebind in impls:
-            if rebind is None:
-                out.append(impl)
-                continue
-            constant, function = rebind
-            obj = objects[index]
-            twin = new(constant)
-            set_plugin(twin, obj)
-            set_function(twin, method(function, obj))
-            out.append(twin)
-        setattr(pm.hook, name, caller)
-    return pm
+    for index, impl, rebind in impls:
+        if rebind is None:
+            out.append(impl)
+            continue
+        constant, function = rebind
+        obj = objects[index]
+        twin = new(constant)
+        set_plugin(twin, obj)
+        set_function(twin, method(function, obj))
+        out.append(twin)
+    return caller
 
 
 def _rebind(impl: pluggy.HookImpl, kind: str) -> _Rebind | None:

@@ -176,6 +176,11 @@ def require_handler_instance(handler: Any, what: str) -> KwargsHandler:
     return handler
 
 
+# Classes whose instances passed require_handler_instance: every check it makes depends on the
+# class alone (an instance's class is never a class itself), so the next instance skips them.
+_HANDLER_CLASSES: set[type] = set()
+
+
 def require_handler_list(kwargs_handlers: Sequence[Any] | None) -> list[KwargsHandler]:
     """Validate the user's ``kwargs_handlers`` sequence (a list or tuple).
 
@@ -194,8 +199,12 @@ def require_handler_list(kwargs_handlers: Sequence[Any] | None) -> list[KwargsHa
     handlers: list[KwargsHandler] = []
     seen: dict[type, int] = {}
     for index, handler in enumerate(kwargs_handlers):
-        require_handler_instance(handler, f"kwargs_handlers[{index}]")
         cls = type(handler)
+        if cls not in _HANDLER_CLASSES:  # what require_handler_instance checks is the class's
+            require_handler_instance(handler, f"kwargs_handlers[{index}]")
+            if len(_HANDLER_CLASSES) >= 256:
+                _HANDLER_CLASSES.clear()
+            _HANDLER_CLASSES.add(cls)
         if cls in seen:
             raise ValueError(
                 f"kwargs_handlers[{seen[cls]}] and kwargs_handlers[{index}] are both "

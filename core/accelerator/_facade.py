@@ -14,6 +14,7 @@ import torch
 
 from kwplug._plugins import Answer, KwplugPluginManager
 from kwplug._process.environment import end_process_group
+from kwplug._runtime import register_accelerator
 from kwplug.accelerator import _metrics, _ops
 from kwplug.accelerator._agreement import LiveAgreement, check_ranks_agree
 from kwplug.accelerator._api_prepare import _PrepareAPI
@@ -231,8 +232,6 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
             setup.plugins, self.log_with, self.logging_dir, self.is_main_process
         )
         # What kwplug.state.AcceleratorState() reports while this Accelerator lives (weakly).
-        from kwplug._runtime import register_accelerator
-
         register_accelerator(self)
 
     @classmethod

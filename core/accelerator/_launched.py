@@ -10,10 +10,10 @@ here.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
+from kwplug._contracts.environ import get as read_environ
 from kwplug._plugins import discover
 from kwplug.errors import MissingFeatureError
 from kwplug.handler import KwargsHandler
@@ -48,7 +48,7 @@ def launched_handlers(
         # Without the launcher's switch nothing is built (Accelerate's test, ``"true"`` in any
         # case), and nothing is looked up: a plain Accelerator() pays one dictionary read, and
         # a run that never asked for the plugin is not stopped by its failure to load.
-        if found.get(keyword) is not None or os.environ.get(switch, "").lower() != "true":
+        if found.get(keyword) is not None or read_environ(switch, "").lower() != "true":
             continue
         cls = _handler_class(keyword, entry_point)
         build = getattr(cls, "from_launcher", None)

@@ -15,6 +15,9 @@ from typing import Any
 
 import attrs
 
+from kwplug._contracts.environ import get as read_environ
+from kwplug._contracts.pristine import Pristine
+from kwplug.accelerator._gradient_state import _check_steps
 from kwplug.precision import MIXED_PRECISION
 from kwplug.utils.dataclasses import (
     DataLoaderConfiguration,
@@ -68,6 +71,12 @@ def _trackers(log_with: Any) -> list[Any]:
     return items
 
 
+# The default option objects (GradientAccumulationPlugin(num_steps=n), DataLoaderConfiguration(),
+# ProjectConfiguration(project_dir=...)), built and validated once per set of arguments and
+# copied for every Accelerator: their construction reads nothing but the arguments, and each
+# Accelerator still gets objects of its own (they are mutable: accelerator.even_batches = ...).
+_defaults = Pristine(environ=False)
+
 MIXED_PRECISION_ENV = "ACCELERATE_MIXED_PRECISION"
 STEPS_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
 
@@ -81,7 +90,7 @@ def mixed_precision_from_env(mixed_precision: str | None) -> str:
     """
     if mixed_precision is not None:
         return mixed_precision
-    value = os.environ.get(MIXED_PRECISION_ENV)
+    value = read_environ(MIXED_PRECISION_ENV)
     if value is None:
         return "no"
     if value not in MIXED_PRECISION:
@@ -96,7 +105,7 @@ def _steps_from_env(steps: int) -> int:
     # Accelerate: int(parse_choice_from_env(STEPS_ENV, gradient_accumulation_steps)) -- the
     # variable wins over the keyword, whose default 1 cannot be told from an explicit 1.
     # kwplug does the same, and says so when an explicit other value is overridden.
-    value = os.environ.get(STEPS_ENV)
+    value = read_environ(STEPS_ENV)
     if value is None:
         return steps
     try:
@@ -136,8 +145,6 @@ def resolve_options(
             ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` is not an integer >= 1 (it replaces
             ``gradient_accumulation_steps`` when no plugin is given, as in Accelerate).
     """
-    from kwplug.accelerator._gradient_state import _check_steps
-
     _check_steps(gradient_accumulation_steps)
     _require(
         "gradient_accumulation_plugin",
@@ -146,8 +153,8 @@ def resolve_options(
         "a kwplug.utils.GradientAccumulationPlugin",
     )
     if gradient_accumulation_plugin is None:
-        gradient_accumulation_plugin = GradientAccumulationPlugin(
-            num_steps=_steps_from_env(gradient_accumulation_steps)
+        gradient_accumulation_plugin = _defaults.new(
+            GradientAccumulationPlugin, num_steps=_steps_from_env(gradient_accumulation_steps)
         )
     elif gradient_accumulation_steps != 1:
         raise ValueError(
@@ -164,7 +171,7 @@ def resolve_options(
     given = {name: value for name, value in legacy.items() if value is not None}
     if given and dataloader_config is not None:
         raise ValueError(f"pass {' and '.join(given)} inside dataloader_config, not next to it")
-    dataloader_config = dataloader_config or DataLoaderConfiguration(**given)
+    dataloader_config = dataloader_config or _defaults.new(DataLoaderConfiguration, **given)
     _require(
         "project_config",
         project_config,
@@ -172,7 +179,7 @@ def resolve_options(
         "a kwplug.utils.ProjectConfiguration",
     )
     _require("project_dir", project_dir, (str, os.PathLike), "a path (str or os.PathLike)")
-    project = project_config or ProjectConfiguration(project_dir=project_dir)
+    project = project_config or _defaults.new(ProjectConfiguration, project_dir=project_dir)
     if project_dir is not None and project.project_dir is None:
         project.set_directories(project_dir)
     if not isinstance(step_scheduler_with_optimizer, bool):

@@ -195,14 +195,16 @@ def _replayed(
     # no mesh, no scaler; the plan as its hook calls recorded it.
     plugins.plan.update(entry.answers)
     info = entry.info
-    logger.debug(
-        "Accelerator on %s, rank %d/%d, mixed_precision=%s, plugins: %s (set-up answers reused)",
-        entry.chosen.device,
-        info.rank,
-        info.world_size,
-        mixed_precision,
-        plugins.descriptions(),
-    )
+    if logger.isEnabledFor(logging.DEBUG):  # (the list of descriptions costs a microsecond)
+        logger.debug(
+            "Accelerator on %s, rank %d/%d, mixed_precision=%s, plugins: %s (set-up answers "
+            "reused)",
+            entry.chosen.device,
+            info.rank,
+            info.world_size,
+            mixed_precision,
+            plugins.descriptions(),
+        )
     return _Setup(
         mixed_precision=mixed_precision,
         handlers=handlers,

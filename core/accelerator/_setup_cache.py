@@ -35,14 +35,15 @@ from __future__ import annotations
 import datetime
 import enum
 import logging
+import operator
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch.distributed as dist
 
-from kwplug._plugins import Answer, KwplugPluginManager, PluginRecord
+from kwplug._plugins import Answer, KwplugPluginManager, PluginRecord, register_defaults
 from kwplug._process.environment import ProcessInfo
 from kwplug._runtime import Device
 from kwplug.comm_hooks import CommHook
@@ -117,7 +118,7 @@ def key(
     if dist.is_available() and dist.is_initialized():
         return None
     try:
-        states = tuple(_snapshot(handler) for handler in handlers)
+        states = tuple([_snapshot(handler) for handler in handlers])
     except _Unkeyable:
         return None
     return (
@@ -125,7 +126,7 @@ def key(
         cpu,
         states,
         id(records),
-        tuple(getattr(r.handler_class, "register_default", None) for r in records),
+        register_defaults(records),
     )
 
 
@@ -136,17 +137,38 @@ class _Unkeyable(Exception):
 _PLAIN = (type(None), bool, int, float, str, bytes, enum.Enum, datetime.timedelta)
 
 
+# Per built-in handler class, its attrs fields' values in one call (operator.attrgetter).
+_values_of: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+# The exact types of plain values seen so far (subclasses of _PLAIN): a handler holding only
+# these is keyed by its values and their types as they are, without _frozen per value.
+_plain_types: set[type] = set()
+
+
 def _snapshot(handler: KwargsHandler) -> tuple[Any, ...]:
     # Every attrs field (eq=False ones too: they may steer a hook), with each value's type, so
     # that 1 and True, or a list and a tuple, give different keys.
     cls = type(handler)
-    if not cls.__module__.startswith("kwplug.") or not attrs.has(cls):
-        raise _Unkeyable
-    return (cls, *(_frozen(getattr(handler, f.name)) for f in attrs.fields(cls)))
+    values_of = _values_of.get(cls)
+    if values_of is None:
+        if not cls.__module__.startswith("kwplug.") or not attrs.has(cls):
+            raise _Unkeyable
+        values_of = _values_of[cls] = _getter([f.name for f in attrs.fields(cls)])
+    values = values_of(handler)
+    kinds = tuple(map(type, values))
+    if _plain_types.issuperset(kinds):
+        return (cls, kinds, values)
+    return (cls, None, tuple(map(_frozen, values)))
+
+
+def _getter(names: list[str]) -> Callable[[Any], tuple[Any, ...]]:
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    return lambda handler: tuple(getattr(handler, name) for name in names)
 
 
 def _frozen(value: Any) -> Any:
     if isinstance(value, _PLAIN):
+        _plain_types.add(type(value))
         return (type(value), value)
     if type(value) in (list, tuple):
         return (type(value), tuple(_frozen(v) for v in value))

@@ -10,6 +10,7 @@ values (at construction and on assignment) and name the field in the error.
 from __future__ import annotations
 
 import enum
+import functools
 import os
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -280,12 +281,21 @@ class GradientAccumulationPlugin:
 
     def to_kwargs(self) -> dict[str, Any]:
         """The fields whose value differs from the default, as Accelerate's ``to_kwargs``."""
-        default = GradientAccumulationPlugin()
         return {
-            f.name: getattr(self, f.name)
-            for f in attrs.fields(GradientAccumulationPlugin)
-            if getattr(self, f.name) != getattr(default, f.name)
+            name: value
+            for name, default in _accumulation_defaults()
+            if (value := getattr(self, name)) != default
         }
+
+
+@functools.cache
+def _accumulation_defaults() -> tuple[tuple[str, Any], ...]:
+    # GradientAccumulationPlugin()'s field values, built once (every Accelerator asks its
+    # to_kwargs(); the defaults are constants).
+    default = GradientAccumulationPlugin()
+    return tuple(
+        (f.name, getattr(default, f.name)) for f in attrs.fields(GradientAccumulationPlugin)
+    )
 
 
 def _no_fp8(name: str) -> NoReturn:
