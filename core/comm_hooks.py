@@ -291,7 +291,10 @@ def merge_comm_hooks(
         return record, record.source
 
     global _last_merge
-    inputs = _merge_inputs(contributions)
+    # One snapshot of the registry for both the key and the merge: a hook registered by
+    # another thread in between would otherwise be kept under a key without it.
+    registry = dict(_REGISTRY)
+    inputs = _merge_inputs(registry, contributions)
     last = _last_merge
     if inputs is not None and last is not None and _same_inputs(inputs, last[0]):
         return dict(last[1])  # each caller gets a dict of its own
@@ -302,7 +305,7 @@ def merge_comm_hooks(
         label="communication hook",
         kind="kwplug.CommHook",
         remedy="block one of the plugins or rename the hook",
-        start={name: (record, record.source) for name, record in _REGISTRY.items()},
+        start={name: (record, record.source) for name, record in registry.items()},
     )
     if inputs is not None:
         _last_merge = (inputs, dict(merged))
@@ -319,12 +322,13 @@ _last_merge: tuple[_MergeInputs, dict[str, CommHook]] | None = None
 
 
 def _merge_inputs(
+    registry: dict[str, CommHook],
     contributions: list[tuple[str, Mapping[str, CommHook] | None]],
 ) -> _MergeInputs | None:
     # What merge_comm_hooks' result depends on, or None when it cannot be told from identities
     # (an answer that is a mapping of another kind may change in place, or compute its items).
-    names: list[str | int] = [len(_REGISTRY), *_REGISTRY]
-    objects: list[Any] = [*_REGISTRY.values()]
+    names: list[str | int] = [len(registry), *registry]
+    objects: list[Any] = [*registry.values()]
     for plugin, answer in contributions:
         if answer is None:
             names.append(plugin)

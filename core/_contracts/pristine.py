@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import threading
 import types
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -140,11 +141,15 @@ class Pristine:
     """Objects built once per (class, arguments) under the current environment, handed out as
     copies (:func:`copier`); objects that cannot be copied faithfully are built every time.
 
-    Not shared between threads' constructions in any way that matters: a kept instance is
-    only ever read, and two threads missing at once both build one.
+    Threads: a kept instance is only ever read, and two threads missing at once both build
+    one. An instance is kept only when the environment :meth:`check` recorded before it was
+    built is still the recorded one, and equal to ``os.environ``, afterwards; that test and
+    the insertion are one step under a lock that :meth:`check` also takes, so another
+    thread's change of the environment (and its ``check``) during the construction means the
+    instance is not kept.
     """
 
-    __slots__ = ("_environ", "_makers", "_watch")
+    __slots__ = ("_environ", "_lock", "_makers", "_watch")
 
     #: Kept (class, arguments) combinations; all are forgotten past it.
     MAX_KEPT = 64
@@ -159,6 +164,7 @@ class Pristine:
                 and :meth:`check` is not needed.
         """
         self._watch = environ
+        self._lock = threading.Lock()
         self._environ: dict[Any, Any] | None = None
         # (class, arguments) -> a copier, or None: build this one every time.
         self._makers: dict[tuple[Any, ...], Callable[[], Any] | None] = {}
@@ -174,12 +180,13 @@ class Pristine:
         if not self._watch:
             return True
         data = environ.data()
-        if data is None:
-            self._makers.clear()
-            return False
-        if data != self._environ:
-            self._makers.clear()
-            self._environ = dict(data)
+        with self._lock:
+            if data is None:
+                self._makers.clear()
+                return False
+            if data != self._environ:
+                self._makers.clear()
+                self._environ = dict(data)
         return True
 
     def new(self, cls: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -205,21 +212,26 @@ class Pristine:
             return cls(*args, **kwargs)
         if maker is not None:
             return maker()  # type: ignore[no-any-return]
+        seen = self._environ  # the environment recorded before this construction
         instance = cls(*args, **kwargs)
-        if key not in self._makers and self._built_in_checked_environment():
-            if len(self._makers) >= self.MAX_KEPT:
-                self._makers.clear()
-            self._makers[key] = copier(instance)
+        make = copier(instance)
+        with self._lock:
+            if key not in self._makers and self._still(seen):
+                if len(self._makers) >= self.MAX_KEPT:
+                    self._makers.clear()
+                self._makers[key] = make
         return instance
 
-    def _built_in_checked_environment(self) -> bool:
-        # Whether an object built just now was built in the environment check() saw (another
-        # thread may have changed it since): only then may it stand for that environment.
+    def _still(self, seen: dict[Any, Any] | None) -> bool:
+        # Whether an object built just now was built in the environment recorded before it
+        # (another thread may have changed os.environ, and recorded it, since): only then may
+        # it stand for that environment. Called under the lock.
         if not self._watch:
             return True
-        return self._environ is not None and environ.data() == self._environ
+        return seen is not None and self._environ is seen and environ.data() == seen
 
     def clear(self) -> None:
         """Forget every kept object."""
-        self._makers.clear()
-        self._environ = None
+        with self._lock:
+            self._makers.clear()
+            self._environ = None

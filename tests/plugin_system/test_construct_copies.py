@@ -219,3 +219,73 @@ def test_environ_get_answers_as_os_environ(monkeypatch: pytest.MonkeyPatch) -> N
         assert environ.get(name) == os.environ.get(name)
         assert environ.get(name, "d") == os.environ.get(name, "d")
     assert discover() is discover()
+
+
+# -- threads: another thread's change during a construction is never kept ------------------------
+
+
+def _dynamo_backend(accelerator: Any) -> str:
+    (plugin,) = [
+        p for _, p in accelerator.plugin_manager.list_name_plugin() if type(p) is TorchDynamoPlugin
+    ]
+    return str(plugin.backend.value)
+
+
+def test_a_default_built_while_another_thread_changes_the_environment_is_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The interleaving forced in one thread: this construction's TorchDynamoPlugin() has read
+    # ACCELERATE_DYNAMO_BACKEND (unset) when "another thread" sets it and starts an
+    # Accelerator (which records the new environment). The instance built here stands for the
+    # old environment and must not become the copy handed out under the new one.
+    import kwplug.plugins.dynamo as dynamo
+
+    monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
+    _reuse.clear()
+    kwplug.Accelerator(cpu=True)
+    real = dynamo.str_to_bool
+    fired: list[bool] = []
+
+    def other_thread_runs(value: Any) -> Any:
+        if not fired:
+            fired.append(True)
+            monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "eager")
+            _reuse._defaults.check()
+        return real(value)
+
+    monkeypatch.setattr(dynamo, "str_to_bool", other_thread_runs)
+    _reuse._defaults.clear()  # so that this construction builds its defaults
+    assert _dynamo_backend(kwplug.Accelerator(cpu=True)) == "NO"  # built before the change
+    monkeypatch.setattr(dynamo, "str_to_bool", real)
+    assert fired
+    for _ in range(3):
+        assert _dynamo_backend(kwplug.Accelerator(cpu=True)) == "EAGER"
+
+
+def test_a_hook_registered_during_a_comm_hooks_merge_is_not_kept_after_it_goes() -> None:
+    # Another thread registers a hook between the merge's key and its merge: the key and the
+    # merge read one snapshot of the registry, so the hook is not kept once unregistered.
+    import kwplug.comm_hooks as comm_hooks
+
+    fsdp = pytest.importorskip("kwplug_fsdp")  # a handler the set-up cache does not replay
+    kwplug.Accelerator(cpu=True)
+    real = comm_hooks._same_inputs
+    registered: list[bool] = []
+
+    def other_thread_registers(new: Any, old: Any) -> bool:
+        comm_hooks._same_inputs = real  # type: ignore[assignment]
+        kwplug.register_comm_hook("raced", lambda _state, bucket: bucket.buffer())
+        registered.append(True)
+        return real(new, old)
+
+    comm_hooks._last_merge = ((("another merge",), ()), {})  # this construction merges
+    comm_hooks._same_inputs = other_thread_registers  # type: ignore[assignment]
+    try:
+        kwplug.Accelerator(cpu=True, kwargs_handlers=[fsdp.FullyShardedKwargs()])
+    finally:
+        comm_hooks._same_inputs = real  # type: ignore[assignment]
+        if registered:
+            kwplug.unregister_comm_hook("raced")
+    assert registered
+    for _ in range(2):
+        assert "raced" not in kwplug.Accelerator(cpu=True).comm_hooks
