@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,26 @@ def test_ddp_power_sgd_resume_is_bitwise_exact(tmp_path: Path, options: list[str
     assert torch.equal(torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt"))
 
 
+def assert_resume_is_bitwise(
+    tmp_path: Path, hook: str, *, steps: str, save_at: str, options: Sequence[str] = ()
+) -> None:
+    """2 processes, several DDP buckets: a run saving after ``save_at`` steps and a run
+    resumed from that checkpoint end with bitwise equal weights."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--comm-hook", hook, "--model", "buckets", "--bucket-cap-mb", "0.001", *options]
+    torchrun(
+        WORKER,
+        str(tmp_path / "full.pt"),
+        *("--steps", steps, "--save-at", save_at, "--ckpt", str(ckpt), *common),
+    )
+    torchrun(
+        WORKER,
+        str(tmp_path / "resumed.pt"),
+        *("--steps", steps, "--resume", str(ckpt), "--start-step", save_at, *common),
+    )
+    assert torch.equal(torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt"))
+
+
 @pytest.mark.parametrize("hook", ["power_sgd", "batched_power_sgd"])
 def test_ddp_power_sgd_resume_with_several_buckets_is_bitwise_exact(
     tmp_path: Path, hook: str
@@ -107,19 +128,7 @@ def test_ddp_power_sgd_resume_with_several_buckets_is_bitwise_exact(
     # alignment differently (a zero-copy view there diverged at the first resumed step).
     # The same holds for checkpoints with sorted keys (kwplug before PowerSGD followed DDP's
     # order), whose tiles lie back to back in the initial bucket.
-    ckpt = tmp_path / "ckpt"
-    options = ["--comm-hook", hook, "--model", "buckets", "--bucket-cap-mb", "0.001"]
-    torchrun(
-        WORKER,
-        str(tmp_path / "full.pt"),
-        *("--steps", "16", "--save-at", "6", "--ckpt", str(ckpt), *options),
-    )
-    torchrun(
-        WORKER,
-        str(tmp_path / "resumed.pt"),
-        *("--steps", "16", "--resume", str(ckpt), "--start-step", "6", *options),
-    )
-    assert torch.equal(torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt"))
+    assert_resume_is_bitwise(tmp_path, hook, steps="16", save_at="6")
 
 
 @pytest.mark.parametrize(
@@ -140,19 +149,7 @@ def test_ddp_power_sgd_resume_before_any_bucket_key_is_bitwise_exact(
     # with neither error feedback nor warm start (the state never keeps a key). The saved
     # canonical layout (DDP's rebuilt buckets, in DDP's order) still cuts the resumed DDP's
     # initial single bucket as the saving run's rebuilt buckets were cut.
-    ckpt = tmp_path / "ckpt"
-    options = ["--comm-hook", hook, "--model", "buckets", "--bucket-cap-mb", "0.001", *options]
-    torchrun(
-        WORKER,
-        str(tmp_path / "full.pt"),
-        *("--steps", "12", "--save-at", save_at, "--ckpt", str(ckpt), *options),
-    )
-    torchrun(
-        WORKER,
-        str(tmp_path / "resumed.pt"),
-        *("--steps", "12", "--resume", str(ckpt), "--start-step", save_at, *options),
-    )
-    assert torch.equal(torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt"))
+    assert_resume_is_bitwise(tmp_path, hook, steps="12", save_at=save_at, options=options)
 
 
 def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
