@@ -17,14 +17,16 @@ from __future__ import annotations
 import functools
 import logging
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import pluggy
+from pluggy._hooks import _SubsetHookCaller
 
 from kwplug._contracts.environ import get as read_environ
 from kwplug._plugins._calls import PER_CALL, Answer, HookCalls, is_watched, revalidate
 from kwplug._plugins._conflicts import conflict_error, find_conflicts
+from kwplug._plugins._identity import PluginSet, Registry
 from kwplug._plugins._records import PluginRecord, loaded, plugin_object
 from kwplug._plugins._relays import EachRelay, FirstRelay
 from kwplug._plugins._rules import require_handler_instance, validate_hookimpls
@@ -68,6 +70,9 @@ class KwplugPluginManager(pluggy.PluginManager):
                 template (:mod:`kwplug._plugins._reuse`).
         """
         super().__init__(PROJECT_NAME)
+        # Handlers compare by value and do not hash (as Accelerate's dataclasses): pluggy's
+        # registry tells plugins apart by identity here (kwplug._plugins._identity).
+        self._name2plugin = Registry()  # type: ignore[misc]
         if specs:
             self.add_hookspecs(HandlerSpec)
         self._descriptions: dict[str, str] = {}
@@ -133,6 +138,30 @@ class KwplugPluginManager(pluggy.PluginManager):
         return counted_undo
 
     # -- registration ------------------------------------------------------------------------
+
+    def get_plugins(self) -> PluginSet:  # type: ignore[override]
+        """pluggy's ``get_plugins``: the registered plugin objects, as a read-only set whose
+        membership is identity (:class:`~kwplug._plugins._identity.PluginSet`; handlers do
+        not hash, so it is not a ``set``)."""
+        return PluginSet(v for v in dict.values(self._name2plugin) if v is not None)
+
+    def is_registered(self, plugin: object) -> bool:
+        """pluggy's ``is_registered``, by identity: an equal copy of a registered handler
+        is not registered."""
+        return self.get_name(plugin) is not None
+
+    def get_name(self, plugin: object) -> str | None:
+        """pluggy's ``get_name``, by identity: the name this very object is registered
+        under, else ``None``."""
+        return cast(Registry, self._name2plugin).name_of(plugin)
+
+    def subset_hook_caller(self, name: str, remove_plugins: Iterable[object]) -> pluggy.HookCaller:
+        """pluggy's ``subset_hook_caller``: hook ``name`` without the implementations of
+        ``remove_plugins`` (compared by identity; hashable or not)."""
+        orig: pluggy.HookCaller = getattr(self.hook, name)
+        implementing = PluginSet(impl.plugin for impl in orig.get_hookimpls())
+        removed = PluginSet(p for p in remove_plugins if p in implementing)
+        return orig if not removed else _SubsetHookCaller(orig, removed)
 
     @classmethod
     def for_handlers(

@@ -94,8 +94,10 @@ _entries: dict[tuple[Any, ...], Entry] = {}
 
 
 def clear() -> None:
-    """Forget every entry (the next construction asks the hooks again)."""
+    """Forget every entry and the plain value types learned (the next construction asks the
+    hooks again)."""
     _entries.clear()
+    _plain_types.clear()
 
 
 def environ() -> dict[Any, Any] | None:
@@ -157,7 +159,12 @@ def _snapshot(handler: KwargsHandler) -> tuple[Any, ...]:
     kinds = tuple(map(type, values))
     if _plain_types.issuperset(kinds):
         return (cls, kinds, values)
-    return (cls, None, tuple(map(_frozen, values)))
+    frozen = tuple(map(_frozen, values))  # learns the plain types it meets
+    # One key per state: a handler of plain values met for the first time gets the form
+    # later constructions compute (else the first construction's entry never matches).
+    if _plain_types.issuperset(kinds):
+        return (cls, kinds, values)
+    return (cls, None, frozen)
 
 
 def _getter(names: list[str]) -> Callable[[Any], tuple[Any, ...]]:

@@ -18,6 +18,7 @@ speed or provenance; :data:`PRIVATE` says why and where. The gate fails when:
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import sys
 from pathlib import Path
@@ -53,9 +54,18 @@ PRIVATE: dict[str, tuple[str, str]] = {
         "Accelerator's construction)",
     ),
     "_name2plugin": (
-        "core/_plugins/_reuse.py",
+        "core/_plugins/_manager.py, core/_plugins/_reuse.py",
         "PluginManager._name2plugin: the copied manager's registered names, in order, as "
-        "register() leaves them",
+        "register() leaves them; KwplugPluginManager replaces it with a dict whose values() "
+        "tests membership by identity (handlers compare by value and do not hash), the test "
+        "register() makes before adding a plugin",
+    ),
+    "_SubsetHookCaller": (
+        "core/_plugins/_manager.py",
+        "pluggy._hooks._SubsetHookCaller(orig, remove_plugins): what subset_hook_caller "
+        "returns, a live proxy of the hook without some plugins; pluggy builds a set() of "
+        "them (handlers do not hash), kwplug hands it an identity set (no public "
+        "constructor)",
     ),
 }
 
@@ -80,6 +90,7 @@ def _pluggy_private_names() -> set[str]:
     caller = pm.hook.autocast
     objects: list[Any] = [pm, pm.hook, caller, caller.get_hookimpls()[0], pm.trace]
     objects += [pluggy.HookspecMarker, pluggy.HookimplMarker, pluggy.Result, pluggy.HookImpl]
+    objects.append(importlib.import_module("pluggy._hooks"))  # its private classes
     names: set[str] = set()
     for obj in objects:
         for name in {*dir(obj), *getattr(obj, "__dict__", {})}:
@@ -93,6 +104,12 @@ def _uses(names: set[str]) -> dict[str, list[str]]:
     for folder in SOURCES:
         for path in sorted(folder.rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pluggy"):
+                    for alias in node.names:  # from pluggy._hooks import _SubsetHookCaller
+                        if alias.name in names:
+                            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                            found.setdefault(alias.name, []).append(where)
+                    continue
                 if isinstance(node, ast.Attribute):
                     name = node.attr
                 elif isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -159,6 +176,51 @@ def test_name2plugin_is_the_registry() -> None:
     pm._name2plugin["added"] = plugin
     assert pm.get_plugin("added") is plugin
     assert [name for name, _ in pm.list_name_plugin()] == ["plugin", "added"]
+
+
+def test_register_asks_name2plugin_values_whether_registered() -> None:
+    # KwplugPluginManager's identity registry works only if register() asks
+    # ``plugin in self._name2plugin.values()`` (pluggy's equality test) before adding.
+    class Asked(dict[str, Any]):
+        asked: list[object] = []  # noqa: RUF012
+
+        def values(self) -> Any:
+            outer = self
+
+            class View(list[Any]):
+                def __contains__(self, obj: object) -> bool:
+                    outer.asked.append(obj)
+                    return False
+
+            return View(dict.values(self))
+
+    pm = _manager()
+    pm._name2plugin = Asked(pm._name2plugin)  # type: ignore[misc]
+    plugin = _Plugin()
+    pm.register(plugin, "second")
+    assert Asked.asked == [plugin]
+    assert pm.get_plugin("second") is plugin and isinstance(pm._name2plugin, Asked)
+
+
+def test_subset_hook_caller_takes_any_set_of_plugins() -> None:
+    # kwplug hands _SubsetHookCaller a set whose membership is identity; it must only use
+    # ``in`` on it and read the original caller live.
+    from pluggy._hooks import _SubsetHookCaller
+
+    pm = _manager()
+    caller = pm.hook.autocast
+    plugin = caller.get_hookimpls()[0].plugin
+
+    class Only(list[Any]):
+        def __contains__(self, obj: object) -> bool:
+            return any(obj is item for item in self)
+
+    subset = _SubsetHookCaller(caller, Only([plugin]))  # type: ignore[arg-type]
+    assert subset(device_type="cpu", mixed_precision="no") is None
+    other = _Plugin()
+    pm.register(other, "later")  # registered after the subset was made: seen
+    assert subset(device_type="cpu", mixed_precision="no") == "plugin:cpu"
+    assert [i.plugin for i in subset.get_hookimpls()] == [other]
 
 
 def test_hookimpl_layout_kwplug_copies() -> None:

@@ -109,6 +109,18 @@ def test_built_in_handlers_are_keyed_by_their_values(calls: list[str]) -> None:
     assert calls == ["bf16", "bf16"]  # equal values: replayed
 
 
+def test_a_handler_has_one_key_from_its_first_construction_on() -> None:
+    # The first snapshot of a value type learns it as plain; the key it gives must be the
+    # one later constructions compute, or the first construction's entry is never replayed.
+    _setup_cache.clear()
+    try:
+        first = _setup_cache.key("bf16", True, [AutocastKwargs()], ())
+        assert first == _setup_cache.key("bf16", True, [AutocastKwargs()], ())
+        assert first != _setup_cache.key("bf16", True, [AutocastKwargs(enabled=False)], ())
+    finally:
+        _setup_cache.clear()
+
+
 def test_a_handler_of_another_class_is_never_replayed(calls: list[str]) -> None:
     for _ in range(2):
         accelerator = kwplug.Accelerator(cpu=True, kwargs_handlers=[CpuChooser()])
