@@ -75,18 +75,29 @@ def parse_size(size: int | str) -> int:
     """Bytes in ``size``: an ``int``, or digits and a unit among TB, GB, MB, KB (decimal).
 
     Raises:
-        ValueError: an unknown unit or an unparsable number.
+        TypeError: neither an ``int`` nor a ``str`` (a ``bool`` too).
+        ValueError: an unknown unit, an unparsable number, or a negative size (Accelerate's
+            ``convert_file_size_to_int`` rule).
     """
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise TypeError(
+            f"max_shard_size must be an int (bytes) or a str such as '10GB', got {size!r} of "
+            f"type {type(size).__name__}"
+        )
     if isinstance(size, int):
-        return size
-    text = size.strip()
-    unit = text[-2:].upper()
-    if unit not in _UNITS:
-        raise ValueError(f"max_shard_size: unit of {size!r} must be one of TB, GB, MB, KB")
-    try:
-        return int(float(text[:-2].strip()) * _UNITS[unit])
-    except ValueError:
-        raise ValueError(f"max_shard_size: cannot read the number in {size!r}") from None
+        number = size
+    else:
+        text = size.strip()
+        unit = text[-2:].upper()
+        if unit not in _UNITS:
+            raise ValueError(f"max_shard_size: unit of {size!r} must be one of TB, GB, MB, KB")
+        try:
+            number = int(float(text[:-2].strip()) * _UNITS[unit])
+        except ValueError:
+            raise ValueError(f"max_shard_size: cannot read the number in {size!r}") from None
+    if number < 0:
+        raise ValueError(f"max_shard_size must be >= 0 bytes, got {size!r}")
+    return number
 
 
 def split_shards(state_dict: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:

@@ -26,6 +26,7 @@ models and export; the plugin that sharded the model selects it (its ``state_dic
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from kwplug.checkpoint import _codec as codec
 from kwplug.checkpoint import _layout as layout
 from kwplug.checkpoint import _reader as reader
 from kwplug.checkpoint import _sharded as sharded
-from kwplug.checkpoint._checks import qualified_name
+from kwplug.checkpoint._checks import check_class, qualified_name
 from kwplug.errors import CheckpointError
 
 SHARDED = "SHARDED_STATE_DICT"
@@ -75,9 +76,10 @@ def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
     return tensors, {k: v for k, v in flat.items() if k not in tensors}, mapping
 
 
-def _verify(path: Path, record: tuple[int, str]) -> None:
-    # A file whose first bytes say pickle (or torch.save's zip) is named as one, never read
-    # further; any other is hashed in chunks against its manifest record.
+def _precheck(path: Path, record: tuple[int, str]) -> None:
+    # A regular file of the manifest's size; one whose first bytes say pickle (or torch.save's
+    # zip) is named as one, never read further. Every rank checks every shard file so (one
+    # fstat and 16 bytes each) before it parses their headers, so that each names the file.
     fd = reader.open_regular(path, record[0])
     try:
         foreign = codec.foreign_format(os.pread(fd, 16, 0), record[0])
@@ -85,7 +87,54 @@ def _verify(path: Path, record: tuple[int, str]) -> None:
         os.close(fd)
     if foreign is not None:
         raise CheckpointError(f"{path}: {foreign}", path)
+
+
+def _verify(path: Path, record: tuple[int, str]) -> None:
+    # :func:`_precheck`, then hashed in chunks against its manifest record.
+    _precheck(path, record)
     reader.verify(path, record)
+
+
+def _dcp_errors() -> tuple[type[BaseException], ...]:
+    # DCP's CheckpointException, which gathers every rank's failure, is a BaseException.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _described(exc: BaseException) -> str:
+    # Each failing rank's exception (DCP's CheckpointException), without its traceback.
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return str(exc)
+    return "; ".join(
+        f"rank {rank}: {type(pair[0]).__name__}: {pair[0]}" for rank, pair in failures.items()
+    )
+
+
+def _check_coverage(metadata: Any, path: Path) -> None:
+    # Each saved tensor's shards must lie inside it and hold as many elements as it has: a
+    # shard file missing from a manifest that was rewritten without it is refused, never
+    # loaded as the live tensor's values where it was.
+    for name, saved in metadata.state_dict_metadata.items():
+        size, chunks = tuple(getattr(saved, "size", ())), getattr(saved, "chunks", None)
+        if chunks is None:
+            continue
+        inside = all(
+            len(c.offsets) == len(size)
+            and all(
+                o >= 0 and o + n <= s for o, n, s in zip(c.offsets, c.sizes, size, strict=False)
+            )
+            for c in chunks
+        )
+        held = sum(math.prod(c.sizes) for c in chunks)
+        if not inside or held != math.prod(size):
+            raise CheckpointError(
+                f"{path}: the shards of {name!r} hold {held} of its {math.prod(size)} elements"
+                f"{'' if inside else ', some outside it'}: a shard file is missing or is not "
+                "this checkpoint's",
+                path,
+            )
 
 
 @contextlib.contextmanager
@@ -120,8 +169,11 @@ class ShardedState:
         """Restore ``state`` (as :meth:`live_state` returns it) into the live object."""
         raise NotImplementedError
 
-    def check_saved(self, metadata: Any, path: Path) -> None:
-        """Refuse saved tensors (DCP ``Metadata``) that do not fit (before any load)."""
+    def check_saved(
+        self, metadata: Any, path: Path, other: dict[str, Any], meta: dict[str, str]
+    ) -> None:
+        """Refuse saved tensors (DCP ``Metadata``) and other entries (``other``, read with
+        its header ``meta``) that do not fit (before any object is loaded)."""
 
     def state_dict(self) -> dict[str, Any]:
         """torch's ``Stateful`` protocol: :meth:`live_state`."""
@@ -151,8 +203,10 @@ class ShardedState:
                 save(
                     tensors, storage_writer=writer, planner=DefaultSavePlanner(), no_dist=world == 1
                 )
-        except Exception as exc:  # DCP's CheckpointException carries every rank's failure
-            return {}, f"writing the shards of {self.prefix} into {staging} failed: {exc}"
+        except _dcp_errors() as exc:  # DCP's CheckpointException carries every rank's failure
+            return {}, f"writing the shards of {self.prefix} into {staging} failed: " + (
+                _described(exc)
+            )
         records = dict(writer.records)
         if rank == 0:
             name = layout.other_file(self.prefix)
@@ -181,19 +235,24 @@ class ShardedState:
         if other not in records:
             raise CheckpointError(f"{directory / other} is missing from the checkpoint")
         names = self.files(records)
-        for name in names[rank::world]:
-            _verify(directory / name, records[name])
-        state, _ = reader.read_state(directory / other, records[other])
+        for index, name in enumerate(names):  # this rank hashes its share, checks the rest
+            check = _verify if index % world == rank else _precheck
+            check(directory / name, records[name])
+        state, meta = reader.read_state(directory / other, records[other])
         if not isinstance(state, dict):
             raise CheckpointError(f"{directory / other} does not hold a state's entries")
-        self._other = state
         from kwplug.checkpoint._dcp_storage import ShardReader
 
         try:
             metadata = ShardReader([directory / n for n in names]).read_metadata()
         except Exception as exc:  # safetensors' error: a header it cannot parse
-            raise CheckpointError(f"the shards of {self.prefix} in {directory}: {exc}") from exc
-        self.check_saved(metadata, directory / self.prefix)
+            raise CheckpointError(
+                f"the shards of {self.prefix} in {directory} (files another rank verifies "
+                f"are named by that rank's error): {exc}"
+            ) from exc
+        _check_coverage(metadata, directory / self.prefix)
+        self.check_saved(metadata, directory / self.prefix, state, meta)
+        self._other = state
 
     def load_from(self, directory: Path, records: dict[str, Any]) -> None:
         """Read this rank's part of every saved tensor into the live object (after
@@ -211,12 +270,7 @@ class ShardedState:
 
         tensors, other, mapping = _split(self.live_state())
         saved = self._other if self._other is not None else {}
-        if set(saved) != set(other):
-            missing = sorted(set(other) - set(saved)) or sorted(set(saved) - set(other))
-            raise CheckpointError(
-                f"{directory / self.prefix}: the saved entries differ from this run's "
-                f"({missing[:3]} ...): prepare the same objects as the run that saved it"
-            )
+        _check_entries(directory / self.prefix, saved, other)  # checked in verify too
         files = [directory / n for n in self.files(records)]
         try:
             world = _rank()[1]
@@ -227,8 +281,10 @@ class ShardedState:
                     planner=DefaultLoadPlanner(),
                     no_dist=world == 1,
                 )
-        except Exception as exc:  # DCP's CheckpointException: every rank's failure
-            raise CheckpointError(f"loading {directory / self.prefix} failed: {exc}") from exc
+        except _dcp_errors() as exc:  # DCP's CheckpointException: every rank's failure
+            raise CheckpointError(
+                f"loading {directory / self.prefix} failed: {_described(exc)}"
+            ) from exc
         self.set_state(unflatten_state_dict({**tensors, **saved}, mapping))
         self._other = None
 
@@ -252,9 +308,12 @@ class ModelShards(ShardedState):
 
         set_model_state_dict(self.module, state)
 
-    def check_saved(self, metadata: Any, path: Path) -> None:
+    def check_saved(
+        self, metadata: Any, path: Path, other: dict[str, Any], meta: dict[str, str]
+    ) -> None:
         """Refuse saved tensors whose names, full shapes or dtypes differ from the model's."""
-        tensors, _, _ = _split(self.live_state())
+        tensors, live_other, _ = _split(self.live_state())
+        _check_entries(path, other, live_other)
         saved = metadata.state_dict_metadata
         for name in sorted(set(tensors) ^ set(saved)):
             where = "the model has no" if name in saved else "the checkpoint lacks"
@@ -293,3 +352,42 @@ class OptimizerShards(ShardedState):
         # A stateless optimizer's empty "state" has no leaf to flatten, so unflattening drops
         # it, and torch would then take the dict for its own flattened format.
         set_optimizer_state_dict(self.module, optimizer, {"state": {}, **state})
+
+    def check_saved(
+        self, metadata: Any, path: Path, other: dict[str, Any], meta: dict[str, str]
+    ) -> None:
+        """Refuse a state saved from another optimizer class, or whose parameter groups'
+        entries or state tensors (names, full shapes) differ from this run's, before any
+        object is loaded (an optimizer without state is left without it)."""
+        check_class(path, meta.get("class"), self.kind)
+        optimizer = sharded.torch_optimizer(self.optimizer)
+        fresh = not optimizer.state
+        try:  # live_state creates the state of a fresh optimizer (torch's zero-grad step)
+            tensors, live_other, _ = _split(self.live_state())
+            _check_entries(path, other, live_other)
+            saved = metadata.state_dict_metadata
+            for name in sorted(set(tensors) ^ set(saved)):
+                where = "this run's optimizer has no" if name in saved else "the checkpoint lacks"
+                raise CheckpointError(f"{path}: {where} state tensor {name!r}", path)
+            for name, tensor in tensors.items():
+                if tuple(saved[name].size) != tuple(tensor.shape):
+                    raise CheckpointError(
+                        f"{path}: {name!r} was saved as {tuple(saved[name].size)}, this run's "
+                        f"is {tuple(tensor.shape)}",
+                        path,
+                    )
+        except CheckpointError:
+            if fresh:
+                optimizer.state.clear()
+            raise
+
+
+def _check_entries(path: Path, saved: dict[str, Any], live: dict[str, Any]) -> None:
+    # The non-tensor entries (an optimizer's param_groups keys) must be the live object's.
+    if set(saved) != set(live):
+        missing = sorted(set(live) - set(saved)) or sorted(set(saved) - set(live))
+        raise CheckpointError(
+            f"{path}: the saved entries differ from this run's ({missing[:3]} ...): prepare the "
+            "same objects as the run that saved it",
+            path,
+        )

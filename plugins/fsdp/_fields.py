@@ -10,6 +10,7 @@ naming the field and what it accepts, raised when the plugin is constructed.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -202,7 +203,13 @@ def class_names(value: Any, policy: Any) -> list[str] | None:
 def min_num_params(value: Any, policy: Any) -> int | None:
     """An int >= 0 (``None`` with the size-based policy: ``FSDP_MIN_NUM_PARAMS``, default 0)."""
     if value is None and policy == "SIZE_BASED_WRAP":
-        value = int(os.environ.get("FSDP_MIN_NUM_PARAMS", "0"))
+        raw = os.environ.get("FSDP_MIN_NUM_PARAMS", "0")
+        if not raw.strip().isdigit():
+            raise ValueError(
+                "FullyShardedDataParallelPlugin.min_num_params (from FSDP_MIN_NUM_PARAMS) must "
+                f"be an int >= 0, got {shown(raw)}"
+            )
+        value = int(raw)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
@@ -257,6 +264,14 @@ def ignored_modules(value: Any) -> Any:
     ``torch.nn.Module``; ``None``: ``FSDP_IGNORED_MODULES``."""
     if value is None:
         value = os.environ.get("FSDP_IGNORED_MODULES")
+    if isinstance(value, str):
+        try:  # matched against module names at prepare: a bad pattern is refused here
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(
+                "FullyShardedDataParallelPlugin.ignored_modules must be a valid regular "
+                f"expression over module names, got {shown(value)}: {exc}"
+            ) from None
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, torch.nn.Module):

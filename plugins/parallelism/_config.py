@@ -75,7 +75,8 @@ class ParallelismConfig(KwargsHandler):
 
     Raises:
         TypeError: a size is not an int; ``tp_handler`` is not a plan.
-        ValueError: a size < 1; ``cp_size``/``sp_size`` > 1; a handler for them; an unknown
+        ValueError: a size < 1; ``cp_size``/``sp_size`` > 1; a handler for them; a
+            ``cp_backend``/``sp_backend`` other than ``"torch"``/``"deepspeed"``; an unknown
             style name. At ``Accelerator()``: the sizes' product is not the number of
             processes.
     """
@@ -100,11 +101,11 @@ class ParallelismConfig(KwargsHandler):
         for name in ("cp_backend", "sp_backend"):  # Accelerate's variables, as the sizes'
             if getattr(self, name) is None:
                 setattr(self, name, os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}"))
-        if (
-            self.cp_size != 1
-            or self.cp_handler is not None
-            or self.cp_backend not in (None, "torch")
-        ):
+        if self.cp_backend not in (None, "torch"):
+            raise ValueError(
+                f"ParallelismConfig.cp_backend must be 'torch', got {shown(self.cp_backend)}"
+            )
+        if self.cp_size != 1 or self.cp_handler is not None:
             raise ValueError(
                 f"ParallelismConfig.cp_size must be 1 (got {self.cp_size}) and cp_handler None: "
                 "kwplug has no context parallelism (torch's context_parallel shards attention "

@@ -44,6 +44,7 @@ def test_public_import_paths() -> None:
         ("mixed_precision_policy", "fp4", "mixed_precision_policy"),
         ("reshard_after_forward", "SHARD_GRAD_OP", "sharding strategy names"),
         ("min_num_params", -1, ">= 0"),
+        ("ignored_modules", "layers.(", "ignored_modules must be a valid regular expression"),
     ],
 )
 def test_what_kwplug_does_not_do_is_a_value_error(field: str, value: object, words: str) -> None:
@@ -106,6 +107,10 @@ def test_accelerates_environment_variables(monkeypatch: pytest.MonkeyPatch) -> N
     assert plugin.auto_wrap_policy == "SIZE_BASED_WRAP" and plugin.min_num_params == 1000
     assert plugin.reshard_after_forward is False and plugin.activation_checkpointing is True
     assert plugin.state_dict_type == "FULL_STATE_DICT"
+    monkeypatch.setenv("FSDP_MIN_NUM_PARAMS", "1e6")  # int()'s message named no field
+    with pytest.raises(ValueError, match=r"min_num_params \(from FSDP_MIN_NUM_PARAMS\)"):
+        FullyShardedDataParallelPlugin()
+    monkeypatch.setenv("FSDP_MIN_NUM_PARAMS", "1000")
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ValueError, match="fsdp_version must be 2"):
         FullyShardedDataParallelPlugin()
@@ -127,6 +132,8 @@ def test_parallelism_config_errors_at_construction() -> None:
         ParallelismConfig(tp_size=2.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown style 'diagonal'"):
         ParallelismConfig(tp_size=2, tp_handler={"fc": "diagonal"})
+    with pytest.raises(ValueError, match="cp_backend must be 'torch', got 'nccl'"):
+        ParallelismConfig(cp_backend="nccl")  # the message named cp_size (got 1)
     # Sizes that do not fill the processes: refused in Accelerator(), before any collective.
     with pytest.raises(ValueError, match=r"total_size \(2 = .*\) does not match .*\(1\)"):
         kwplug.Accelerator(parallelism_config=ParallelismConfig(tp_size=2))

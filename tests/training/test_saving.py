@@ -100,6 +100,13 @@ def test_max_shard_size_errors(tmp_path: Path) -> None:
         _saving.parse_size("5XB")
     with pytest.raises(ValueError, match="cannot read"):
         _saving.parse_size("fiveMB")
+    # An AttributeError ('float' object has no attribute 'strip') and silently accepted before.
+    for wrong in (1.5, None, True):
+        with pytest.raises(TypeError, match="max_shard_size must be an int"):
+            _saving.parse_size(wrong)  # type: ignore[arg-type]
+    for negative in (-1, "-1MB"):
+        with pytest.raises(ValueError, match="max_shard_size must be >= 0"):
+            _saving.parse_size(negative)
     (tmp_path / "file").write_text("")
     with pytest.raises(FileExistsError, match="is a file"):
         kwplug.Accelerator(cpu=True).save_model(model(), tmp_path / "file")
