@@ -312,20 +312,7 @@ class ModelShards(ShardedState):
         self, metadata: Any, path: Path, other: dict[str, Any], meta: dict[str, str]
     ) -> None:
         """Refuse saved tensors whose names, full shapes or dtypes differ from the model's."""
-        tensors, live_other, _ = _split(self.live_state())
-        _check_entries(path, other, live_other)
-        saved = metadata.state_dict_metadata
-        for name in sorted(set(tensors) ^ set(saved)):
-            where = "the model has no" if name in saved else "the checkpoint lacks"
-            raise CheckpointError(f"{path}: {where} tensor {name!r}", path)
-        for name, tensor in tensors.items():
-            size, dtype = saved[name].size, saved[name].properties.dtype
-            if tuple(size) != tuple(tensor.shape) or dtype != tensor.dtype:
-                raise CheckpointError(
-                    f"{path}: {name!r} was saved as {tuple(size)} {dtype}, the model's is "
-                    f"{tuple(tensor.shape)} {tensor.dtype}",
-                    path,
-                )
+        _compare(path, metadata, other, self.live_state(), "the model")
 
 
 class OptimizerShards(ShardedState):
@@ -363,19 +350,7 @@ class OptimizerShards(ShardedState):
         optimizer = sharded.torch_optimizer(self.optimizer)
         fresh = not optimizer.state
         try:  # live_state creates the state of a fresh optimizer (torch's zero-grad step)
-            tensors, live_other, _ = _split(self.live_state())
-            _check_entries(path, other, live_other)
-            saved = metadata.state_dict_metadata
-            for name in sorted(set(tensors) ^ set(saved)):
-                where = "this run's optimizer has no" if name in saved else "the checkpoint lacks"
-                raise CheckpointError(f"{path}: {where} state tensor {name!r}", path)
-            for name, tensor in tensors.items():
-                if tuple(saved[name].size) != tuple(tensor.shape):
-                    raise CheckpointError(
-                        f"{path}: {name!r} was saved as {tuple(saved[name].size)}, this run's "
-                        f"is {tuple(tensor.shape)}",
-                        path,
-                    )
+            _compare(path, metadata, other, self.live_state(), "this run's optimizer")
         except CheckpointError:
             if fresh:
                 optimizer.state.clear()
@@ -391,3 +366,24 @@ def _check_entries(path: Path, saved: dict[str, Any], live: dict[str, Any]) -> N
             "same objects as the run that saved it",
             path,
         )
+
+
+def _compare(
+    path: Path, metadata: Any, other: dict[str, Any], live: dict[str, Any], owner: str
+) -> None:
+    # The saved tensors (DCP ``Metadata``) and other entries against the live state: the same
+    # names, full shapes and, for a model, dtypes; the same non-tensor entries.
+    tensors, live_other, _ = _split(live)
+    _check_entries(path, other, live_other)
+    saved, model = metadata.state_dict_metadata, owner == "the model"
+    noun = "tensor" if model else "state tensor"
+    for name in sorted(set(tensors) ^ set(saved)):
+        where = f"{owner} has no" if name in saved else "the checkpoint lacks"
+        raise CheckpointError(f"{path}: {where} {noun} {name!r}", path)
+    for name, tensor in tensors.items():
+        size, dtype = tuple(saved[name].size), saved[name].properties.dtype
+        if size != tuple(tensor.shape) or (model and dtype != tensor.dtype):
+            was, now = f"{size}", f"{tuple(tensor.shape)}"
+            if model:
+                was, now = f"{was} {dtype}", f"{now} {tensor.dtype}"
+            raise CheckpointError(f"{path}: {name!r} was saved as {was}, {owner}'s is {now}", path)
