@@ -132,7 +132,7 @@ class LoadControls:
         # Accelerators); parsing them is memoised on those exact strings, so the answer is
         # the same as parsing afresh, and an invalid value raises on every call.
         get = read_environ if environ is None else environ.get  # (unset names, cheaply)
-        raw = tuple([get(name) for name in _CONTROL_ENVS])
+        raw = tuple(map(get, _CONTROL_ENVS))
         controls = _parse_controls(raw)
         return controls if cls is LoadControls else cls(**attrs.asdict(controls, recurse=False))
 
