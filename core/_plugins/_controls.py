@@ -103,7 +103,9 @@ def plugin_names(name: str, distribution: str) -> frozenset[str]:
     return frozenset(control_name(n) for n in (*bare, distribution, f"{distribution}:{name}"))
 
 
-@attrs.frozen
+# cache_hash: every Accelerator looks its controls up in discovery's cache (the same parsed
+# object each time), and attrs' generated __hash__ hashed the four fields again per call.
+@attrs.frozen(cache_hash=True)
 class LoadControls:
     """The loading controls in force (see the module docstring).
 
