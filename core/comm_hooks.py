@@ -279,17 +279,6 @@ def merge_comm_hooks(
         TypeError: an answer is not a mapping of ``str`` to :class:`CommHook`.
         ValueError: two sources give the same name; the message names both.
     """
-
-    def entry(plugin_name: str, name: Any, record: Any) -> tuple[CommHook, str]:
-        if not isinstance(record, CommHook):
-            raise TypeError(
-                f"plugin {plugin_name!r}: comm_hooks()[{name!r}] must be a kwplug.CommHook, "
-                f"got {type(record).__name__}"
-            )
-        if record.source == "unknown":
-            record = _sourced(record, plugin_name)
-        return record, record.source
-
     global _last_merge
     # One snapshot of the registry for both the key and the merge: a hook registered by
     # another thread in between would otherwise be kept under a key without it.
@@ -301,7 +290,7 @@ def merge_comm_hooks(
     merged = merge(
         "comm_hooks",
         contributions,
-        entry=entry,
+        entry=_entry,
         label="communication hook",
         kind="kwplug.CommHook",
         remedy="block one of the plugins or rename the hook",
@@ -310,6 +299,19 @@ def merge_comm_hooks(
     if inputs is not None:
         _last_merge = (inputs, dict(merged))
     return merged
+
+
+def _entry(plugin_name: str, name: Any, record: Any) -> tuple[CommHook, str]:
+    # One answered record as the merge keeps it (a module function: a closure made per
+    # call cost every Accelerator a function object, kept merge or not).
+    if not isinstance(record, CommHook):
+        raise TypeError(
+            f"plugin {plugin_name!r}: comm_hooks()[{name!r}] must be a kwplug.CommHook, "
+            f"got {type(record).__name__}"
+        )
+    if record.source == "unknown":
+        record = _sourced(record, plugin_name)
+    return record, record.source
 
 
 # The last merge and what it was merged from: every Accelerator merges the same plugins'

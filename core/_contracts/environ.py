@@ -7,7 +7,9 @@ usually unset (the loading controls, Accelerate's launcher switches, ``KWPLUG_TR
 still read every time so that a changed variable is seen (issue 31, goal 3). :func:`get`
 looks the name up in the dictionary ``os.environ`` keeps (CPython's ``_data``, the encoded
 names and values, which ``os.environ``'s own methods and ``os.putenv`` through it keep up to
-date) and answers the same as ``os.environ.get``.
+date) and answers the same as ``os.environ.get``. The encoded form of each name asked is kept
+(encoding it was half of a read's cost), with the encoding function it came from, so that an
+``os.environ`` replaced by one that encodes otherwise is read with its own encoding.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ def data() -> dict[Any, Any] | None:
     return found if isinstance(found, dict) else None
 
 
+# Name -> (the encodekey function it was encoded with, the encoded name): kwplug reads a few
+# fixed names; two threads filling the same name store equal values.
+_encoded: dict[str, tuple[Any, Any]] = {}
+
+
 @overload
 def get(name: str) -> str | None: ...
 @overload
@@ -36,5 +43,11 @@ def get(name: str, default: str | None = None) -> str | None:
     found = getattr(environ, "_data", None)
     if not isinstance(found, dict):  # another Python, or os.environ replaced: its own get
         return environ.get(name, default)
-    value = found.get(environ.encodekey(name))
+    encodekey = environ.encodekey
+    kept = _encoded.get(name)
+    if kept is None or kept[0] is not encodekey:
+        if len(_encoded) >= 256:  # a caller reading many names: keep the memory bounded
+            _encoded.clear()
+        kept = _encoded[name] = (encodekey, encodekey(name))
+    value = found.get(kept[1])
     return default if value is None else environ.decodevalue(value)

@@ -203,9 +203,10 @@ class Pristine:
             Exception: whatever ``cls(*args, **kwargs)`` raises (nothing is kept then).
         """
         key: tuple[Any, ...] = (cls,)
-        if args or kwargs:
-            key += tuple((type(v), v) for v in args)
-            key += tuple((k, type(v), v) for k, v in kwargs.items())
+        if args:
+            key += tuple([(type(v), v) for v in args])
+        if kwargs:
+            key += tuple([(k, type(v), v) for k, v in kwargs.items()])
         try:
             maker = self._makers.get(key)
         except TypeError:  # an unhashable argument: nothing to look up
@@ -221,6 +222,20 @@ class Pristine:
                     self._makers.clear()
                 self._makers[key] = make
         return instance
+
+    def each(self, classes: tuple[type, ...]) -> list[Any]:
+        """``[self.new(cls) for cls in classes]`` (no arguments), in one call: an Accelerator's
+        manager copy asks for every default handler at once.
+
+        Raises:
+            Exception: whatever a class's construction raises.
+        """
+        makers = self._makers
+        out = []
+        for cls in classes:
+            maker = makers.get((cls,))  # new()'s key for a class called without arguments
+            out.append(maker() if maker is not None else self.new(cls))
+        return out
 
     def _still(self, seen: dict[Any, Any] | None) -> bool:
         # Whether an object built just now was built in the environment recorded before it

@@ -13,6 +13,7 @@ it each own one concern:
 - ``_manager``: the manager (names, descriptions, third-party status, hook relays).
 - ``_relays``: the typed hook relays, ``plugins.first.<hook>(...)`` / ``plugins.each.<hook>(...)``.
 - ``_calls``: ``HookCalls``, the one caller: record, run through pluggy's ``_hookexec``, answer.
+- ``_impls``: pluggy's ``HookImpl`` as the caller handles it (plain-call arguments, copies).
 - ``_conflicts``: two third-party defaults claiming one one-answer hook.
 - ``_clashes``: one entry-point name declared by several distributions (warned, listed).
 - ``_reuse``: :func:`manager_for`, an Accelerator's manager copied from a template.

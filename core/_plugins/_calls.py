@@ -24,9 +24,7 @@ Only construction, ``prepare()``, ``autocast(handler)``, ``profile()``, ``no_syn
 
 from __future__ import annotations
 
-import copy
 import logging
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from threading import get_ident
 from typing import Any, Protocol
@@ -34,6 +32,7 @@ from typing import Any, Protocol
 import attrs
 import pluggy
 
+from kwplug._plugins._impls import arguments, copy_impl, per_call_impl
 from kwplug.errors import PluginHookError
 from kwplug.handler import KwargsHandler
 
@@ -201,7 +200,7 @@ class HookCalls:
             caller = getattr(self._pm.hook, hook)
             return caller.call_extra(list(extra), kwargs) if extra else caller(**kwargs)
         # Per-call handlers answer before every registered plugin: pluggy calls the last first.
-        added = [_per_call_impl(f) for f in reversed(extra)]
+        added = [per_call_impl(f, PER_CALL) for f in reversed(extra)]
         return _answer(hook, self._run(hook, twins, added, kwargs, True)).result
 
     def each(
@@ -269,11 +268,8 @@ class HookCalls:
         # the twins do.
         answers: list[tuple[str, Any]] = []
         for impl in reversed(impls):
-            try:
-                args = [kwargs[name] for name in impl.argnames]
-                kw = {n: kwargs[n] for n in impl.kwargnames if n in kwargs} or None
-            except KeyError as e:
-                raise pluggy.HookCallError(f"hook call must provide argument {e.args[0]!r}") from e
+            # (No call for an implementation without arguments, such as comm_hooks'.)
+            args, kw = arguments(impl, kwargs) if impl.argnames or impl.kwargnames else ((), None)
             try:
                 result = impl.function(*args) if kw is None else impl.function(*args, **kw)
             except Exception as exc:
@@ -300,8 +296,9 @@ class HookCalls:
         return exc
 
     def _twins_of(self, hook: str) -> _Twins:
-        # pluggy's public copy of the registrations (a list of a few items: ~0.1 µs).
-        source: list[pluggy.HookImpl] = getattr(self._pm.hook, hook).get_hookimpls()
+        # pluggy's copy of the registrations; a copied manager's relay (_reuse) tells it unmade.
+        relay, peek = self._pm.hook, getattr(type(self._pm.hook), "peek_hookimpls", None)
+        source = (peek and peek(relay, hook)) or getattr(relay, hook).get_hookimpls()
         twins = self._twins.get(hook)
         if twins is None or twins.source != source:  # HookImpl compares by identity
             if hook in self._twins:  # asked again: keep the twins for the next calls
@@ -342,21 +339,6 @@ def _answer(hook: str, answers: list[tuple[str, Any]]) -> Answer:
     return Answer(hook, None, None, asked)
 
 
-def _per_call_impl(function: Callable[..., Any]) -> pluggy.HookImpl:
-    # A plain implementation for a per-call handler's bound method (not registered).
-    return pluggy.HookImpl(None, PER_CALL, function, _PLAIN_OPTS)
-
-
-_PLAIN_OPTS: pluggy.HookimplOpts = {
-    "wrapper": False,
-    "hookwrapper": False,
-    "optionalhook": False,
-    "tryfirst": False,
-    "trylast": False,
-    "specname": None,
-}
-
-
 def is_watched(pm: Any) -> bool:
     """Whether tracing or monitoring watches ``pm`` (counted by the manager), or its
     ``_hookexec`` is overridden: hook calls must then go through ``_hookexec``."""
@@ -365,35 +347,3 @@ def is_watched(pm: Any) -> bool:
         or type(pm)._hookexec is not pluggy.PluginManager._hookexec
         or "_hookexec" in vars(pm)
     )
-
-
-# HookImpl's attributes, copied one by one through their slot descriptors: several times faster
-# than copy.copy (which goes through __reduce_ex__) or setattr by name; every Accelerator's
-# manager copy re-binds each user or default handler's implementations this way.
-_IMPL_SLOTS: tuple[str, ...] | None = getattr(pluggy.HookImpl, "__slots__", None)
-# All slots read in one C call (a getter of two or more names returns a tuple).
-_impl_values: Callable[[pluggy.HookImpl], tuple[Any, ...]] | None = None
-_impl_setters: tuple[Callable[[pluggy.HookImpl, Any], None], ...] = ()
-_SET_PLUGIN: Callable[[pluggy.HookImpl, Any], None] | None = None
-_SET_FUNCTION: Callable[[pluggy.HookImpl, Any], None] | None = None
-if _IMPL_SLOTS and len(_IMPL_SLOTS) > 1 and {"plugin", "function"} <= set(_IMPL_SLOTS):
-    _impl_values = operator.attrgetter(*_IMPL_SLOTS)
-    _impl_setters = tuple(vars(pluggy.HookImpl)[name].__set__ for name in _IMPL_SLOTS)
-    _SET_PLUGIN = vars(pluggy.HookImpl)["plugin"].__set__
-    _SET_FUNCTION = vars(pluggy.HookImpl)["function"].__set__
-
-
-def copy_impl(impl: pluggy.HookImpl, plugin: Any, function: Callable[..., Any]) -> pluggy.HookImpl:
-    """A copy of ``impl`` (same options and argument names) for ``plugin`` and ``function``."""
-    if _impl_values is None or _SET_PLUGIN is None or _SET_FUNCTION is None:
-        twin = copy.copy(impl)  # a pluggy without __slots__ on HookImpl
-        # HookImpl's attributes are Final for type checkers; this copy is ours to change.
-        object.__setattr__(twin, "plugin", plugin)
-        object.__setattr__(twin, "function", function)
-        return twin
-    twin = object.__new__(pluggy.HookImpl)
-    for setter, value in zip(_impl_setters, _impl_values(impl), strict=True):
-        setter(twin, value)
-    _SET_PLUGIN(twin, plugin)
-    _SET_FUNCTION(twin, function)
-    return twin

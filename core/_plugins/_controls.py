@@ -103,7 +103,9 @@ def plugin_names(name: str, distribution: str) -> frozenset[str]:
     return frozenset(control_name(n) for n in (*bare, distribution, f"{distribution}:{name}"))
 
 
-@attrs.frozen
+# cache_hash: every Accelerator looks its controls up in discovery's cache (the same parsed
+# object each time), and attrs' generated __hash__ hashed the four fields again per call.
+@attrs.frozen(cache_hash=True)
 class LoadControls:
     """The loading controls in force (see the module docstring).
 
@@ -132,7 +134,7 @@ class LoadControls:
         # Accelerators); parsing them is memoised on those exact strings, so the answer is
         # the same as parsing afresh, and an invalid value raises on every call.
         get = read_environ if environ is None else environ.get  # (unset names, cheaply)
-        raw = tuple([get(name) for name in _CONTROL_ENVS])
+        raw = tuple(map(get, _CONTROL_ENVS))
         controls = _parse_controls(raw)
         return controls if cls is LoadControls else cls(**attrs.asdict(controls, recurse=False))
 

@@ -91,6 +91,10 @@ class _Template:
     names: tuple[str, ...] = attrs.field(init=False)
     descriptions: dict[str, str] = attrs.field(init=False)
     third_party: frozenset[str] = attrs.field(init=False)
+    fresh: tuple[type, ...] = attrs.field(init=False)  # the _FRESH slots' classes, in order
+    # The hooks whose implementations are all shared plugins' (used as they are): a copied
+    # manager's implementations of such a hook are these very objects until it changes.
+    shared: dict[str, tuple[pluggy.HookImpl, ...]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "names", tuple(slot.name for slot in self.slots))
@@ -98,6 +102,14 @@ class _Template:
         object.__setattr__(self, "descriptions", descriptions)
         third_party = frozenset(slot.name for slot in self.slots if slot.third_party)
         object.__setattr__(self, "third_party", third_party)
+        fresh = tuple(slot.source for slot in self.slots if slot.kind == _FRESH)
+        object.__setattr__(self, "fresh", fresh)
+        shared = {
+            name: tuple(impl for _, impl, _ in impls)
+            for name, (_, impls) in self.hooks.items()
+            if all(rebind is None for _, _, rebind in impls)
+        }
+        object.__setattr__(self, "shared", shared)
 
 
 # pluggy marks HookRelay final for type checkers; the subclass only makes its attributes on
@@ -114,18 +126,33 @@ class _Relay(pluggy.HookRelay):  # type: ignore[misc]
     first: the relay then looks exactly like an eagerly filled one.
     """
 
-    __slots__ = ("_hookexec", "_hooks", "_objects")
+    __slots__ = ("_hookexec", "_hooks", "_objects", "_shared")
 
     def __init__(
         self,
-        hooks: dict[str, _Hook],
+        template: _Template,
         objects: list[Any],
         hookexec: Callable[..., Any],
     ) -> None:
         super().__init__()
-        self._hooks = hooks  # the template's hooks (shared, never changed)
+        self._hooks = template.hooks  # the template's hooks (shared, never changed)
+        self._shared = template.shared  # likewise
         self._objects = objects  # the new manager's plugin objects, by slot index
         self._hookexec = hookexec  # the new manager's _hookexec, as register() would use
+
+    def peek_hookimpls(self, name: str) -> list[pluggy.HookImpl] | None:
+        """What ``getattr(self, name).get_hookimpls()`` answers, without making the caller,
+        for a hook not made yet whose implementations are all shared plugins' (the
+        ``comm_hooks`` call of every construction: a caller made for one call is garbage);
+        ``None`` otherwise (ask the caller).
+
+        Every change of a hook's registrations (``register``, ``unregister``) goes through its
+        caller, which is made first: while it is not made, the template's list is the hook's.
+        """
+        if name in _RELAY_DICT.__get__(self):
+            return None
+        shared = self._shared.get(name)
+        return None if shared is None else list(shared)
 
     def __getattr__(self, name: str) -> pluggy.HookCaller:
         # Reached only for a name that is not an attribute yet: a hook not made yet, or none.
@@ -169,15 +196,25 @@ _defaults = Pristine()
 
 
 def manager_for(
-    handlers: Sequence[KwargsHandler], records: tuple[PluginRecord, ...]
+    handlers: Sequence[KwargsHandler],
+    records: tuple[PluginRecord, ...],
+    defaults: tuple[bool, ...] | None = None,
 ) -> KwplugPluginManager:
     """The manager :meth:`KwplugPluginManager.for_handlers` would build, copied from a
     template when one matches.
 
+    Args:
+        handlers: the user's handler objects.
+        records: the discovery result.
+        defaults: ``register_defaults(records)`` when the caller has just read it (the set-up
+            cache's key needs it too); ``None``: read here.
+
     Raises:
         TypeError: a user handler's hookimpls fail pluggy's validation (names the class).
     """
-    key = (id(records), tuple([type(h) for h in handlers]), register_defaults(records))
+    if defaults is None:
+        defaults = register_defaults(records)
+    key = (id(records), tuple([type(h) for h in handlers]), defaults)
     template = _templates.get(key)
     if template is not None and template.records is records:  # not a reused id
         return _fill(template, handlers)
@@ -235,11 +272,11 @@ def _snapshot(
 def _fill(template: _Template, handlers: Sequence[KwargsHandler]) -> KwplugPluginManager:
     pm = KwplugPluginManager(specs=False)
     _defaults.check()  # the environment the kept defaults were built in, or forget them
-    new = _defaults.new
+    fresh = iter(_defaults.each(template.fresh))  # the default instances, in slot order
     objects: list[Any] = [
         handlers[slot.source]
         if slot.kind == _USER
-        else new(slot.source)
+        else next(fresh)
         if slot.kind == _FRESH
         else slot.source
         for slot in template.slots
@@ -248,7 +285,7 @@ def _fill(template: _Template, handlers: Sequence[KwargsHandler]) -> KwplugPlugi
     pm._descriptions.update(template.descriptions)
     pm._third_party.update(template.third_party)
     # pluggy declares ``hook`` Final; this manager is new and nothing has read it yet.
-    pm.hook = _Relay(template.hooks, objects, pm._hookexec)  # type: ignore[misc]
+    pm.hook = _Relay(template, objects, pm._hookexec)  # type: ignore[misc]
     return pm
 
 

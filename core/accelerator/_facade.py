@@ -191,7 +191,9 @@ class Accelerator(_PrepareAPI, _TrainingAPI, _TrackingAPI, _SavingAPI, _DataAndP
             {"parallelism_config": parallelism_config, "fsdp_plugin": fsdp_plugin},
             kwargs_handlers,
         )
-        extra = _plugin_keywords(**keywords)
+        # (Both None for nearly every Accelerator: no call, no checks.)
+        plugin_keywords = keywords["parallelism_config"], keywords["fsdp_plugin"]
+        extra = _plugin_keywords(**keywords) if plugin_keywords != (None, None) else []
         handlers = [*extra, *(kwargs_handlers or ())] if extra else kwargs_handlers
         # Resolved once; the public attributes below are read-only by convention.
         self._setup: _Setup = resolve(mixed_precision_from_env(mixed_precision), cpu, handlers)

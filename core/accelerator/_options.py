@@ -146,12 +146,14 @@ def resolve_options(
             ``gradient_accumulation_steps`` when no plugin is given, as in Accelerate).
     """
     _check_steps(gradient_accumulation_steps)
-    _require(
-        "gradient_accumulation_plugin",
-        gradient_accumulation_plugin,
-        GradientAccumulationPlugin,
-        "a kwplug.utils.GradientAccumulationPlugin",
-    )
+    # (Each _require only for a keyword given: Accelerator() gives none, and pays no call.)
+    if gradient_accumulation_plugin is not None:
+        _require(
+            "gradient_accumulation_plugin",
+            gradient_accumulation_plugin,
+            GradientAccumulationPlugin,
+            "a kwplug.utils.GradientAccumulationPlugin",
+        )
     if gradient_accumulation_plugin is None:
         gradient_accumulation_plugin = _defaults.new(
             GradientAccumulationPlugin, num_steps=_steps_from_env(gradient_accumulation_steps)
@@ -161,24 +163,29 @@ def resolve_options(
             "pass only one of gradient_accumulation_steps and gradient_accumulation_plugin "
             "(give the number of steps as GradientAccumulationPlugin(num_steps=...))"
         )
-    _require(
-        "dataloader_config",
-        dataloader_config,
-        DataLoaderConfiguration,
-        "a kwplug.utils.DataLoaderConfiguration",
-    )
-    legacy = {"split_batches": split_batches, "even_batches": even_batches}
-    given = {name: value for name, value in legacy.items() if value is not None}
+    if dataloader_config is not None:
+        _require(
+            "dataloader_config",
+            dataloader_config,
+            DataLoaderConfiguration,
+            "a kwplug.utils.DataLoaderConfiguration",
+        )
+    given = {}
+    if split_batches is not None or even_batches is not None:
+        legacy = {"split_batches": split_batches, "even_batches": even_batches}
+        given = {name: value for name, value in legacy.items() if value is not None}
     if given and dataloader_config is not None:
         raise ValueError(f"pass {' and '.join(given)} inside dataloader_config, not next to it")
     dataloader_config = dataloader_config or _defaults.new(DataLoaderConfiguration, **given)
-    _require(
-        "project_config",
-        project_config,
-        ProjectConfiguration,
-        "a kwplug.utils.ProjectConfiguration",
-    )
-    _require("project_dir", project_dir, (str, os.PathLike), "a path (str or os.PathLike)")
+    if project_config is not None:
+        _require(
+            "project_config",
+            project_config,
+            ProjectConfiguration,
+            "a kwplug.utils.ProjectConfiguration",
+        )
+    if project_dir is not None:
+        _require("project_dir", project_dir, (str, os.PathLike), "a path (str or os.PathLike)")
     project = project_config or _defaults.new(ProjectConfiguration, project_dir=project_dir)
     if project_dir is not None and project.project_dir is None:
         project.set_directories(project_dir)
@@ -191,6 +198,6 @@ def resolve_options(
         gradient_accumulation=gradient_accumulation_plugin,
         dataloader_config=dataloader_config,
         project_configuration=project,
-        log_with=_trackers(log_with),
+        log_with=[] if log_with is None else _trackers(log_with),
         step_scheduler_with_optimizer=step_scheduler_with_optimizer,
     )

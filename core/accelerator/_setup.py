@@ -20,6 +20,7 @@ from kwplug._plugins import (
     KwplugPluginManager,
     discover,
     manager_for,
+    register_defaults,
     require_handler_list,
 )
 from kwplug._process.environment import ProcessInfo
@@ -109,16 +110,18 @@ def resolve(
         raise TypeError(f"cpu must be a bool, got {type(cpu).__name__}")
     handlers = require_handler_list(kwargs_handlers)
     records = discover()
+    # Read once for both keys below (a class variable: read at every construction).
+    defaults = register_defaults(records)
     # A copy of the manager built for the same plugins and handler classes (no pluggy
     # inspection), with this Accelerator's own handler objects.
-    plugins = manager_for(handlers, records)
-    entry_key = _setup_cache.key(mixed_precision, cpu, handlers, records)
+    plugins = manager_for(handlers, records, defaults)
+    entry_key = _setup_cache.key(mixed_precision, cpu, handlers, records, defaults)
     entry = _setup_cache.lookup(entry_key, records, plugins)
     if entry is not None:
         # The same construction as a previous one: its built-in hooks' answers, replayed.
         comm_hooks = _collect_comm_hooks(plugins)  # a third-party plugin may contribute
         if comm_hooks == entry.comm_hooks:
-            return _replayed(entry, mixed_precision, handlers, plugins)
+            return _replayed(entry, mixed_precision, handlers, plugins, comm_hooks)
     before = _setup_cache.environ() if entry_key is not None else None
 
     info = ProcessInfo.current()
@@ -190,9 +193,11 @@ def _replayed(
     mixed_precision: str,
     handlers: list[KwargsHandler],
     plugins: KwplugPluginManager,
+    comm_hooks: dict[str, CommHook],
 ) -> _Setup:
     # What resolve() returned for the construction ``entry`` was stored from: one process,
-    # no mesh, no scaler; the plan as its hook calls recorded it.
+    # no mesh, no scaler; the plan as its hook calls recorded it. ``comm_hooks``: this
+    # construction's own merge, equal to the entry's (a new dict: no copy needed).
     plugins.plan.update(entry.answers)
     info = entry.info
     if logger.isEnabledFor(logging.DEBUG):  # (the list of descriptions costs a microsecond)
@@ -212,7 +217,7 @@ def _replayed(
         process=info,
         device=entry.chosen.device,
         chosen=entry.chosen,
-        comm_hooks=dict(entry.comm_hooks),
+        comm_hooks=comm_hooks,
         autocast_factory=entry.autocast_factory,
         scaler=None,
         answers=dict(plugins.plan),

@@ -112,15 +112,19 @@ def key(
     cpu: bool,
     handlers: Sequence[KwargsHandler],
     records: tuple[PluginRecord, ...],
+    defaults: tuple[bool, ...] | None = None,
 ) -> tuple[Any, ...] | None:
     """The entry key of a construction, or ``None`` when it cannot qualify (a handler of
-    another class or holding another kind of value, logged hook calls, a process group)."""
+    another class or holding another kind of value, logged hook calls, a process group).
+
+    ``defaults``: ``register_defaults(records)`` when the caller has just read it (``None``:
+    read here)."""
     if _CALLS_LOGGER.isEnabledFor(logging.DEBUG):
         return None
     if dist.is_available() and dist.is_initialized():
         return None
     try:
-        states = tuple([_snapshot(handler) for handler in handlers])
+        states = tuple([_snapshot(handler) for handler in handlers]) if handlers else ()
     except _Unkeyable:
         return None
     return (
@@ -128,7 +132,7 @@ def key(
         cpu,
         states,
         id(records),
-        register_defaults(records),
+        register_defaults(records) if defaults is None else defaults,
     )
 
 

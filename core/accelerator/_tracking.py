@@ -52,7 +52,10 @@ class _Trackers:
                 tracker needing a logging directory while ``project_dir``/``logging_dir`` is
                 unset.
         """
-        items = [] if log_with is None else _as_list(log_with)
+        if log_with is None or (type(log_with) is list and not log_with):
+            # No trackers (every Accelerator() without log_with): nothing to check or ask.
+            return cls([], {}, logging_dir, main)
+        items = _as_list(log_with)
         for item in items:
             if not isinstance(item, (str, GeneralTracker)):
                 raise TypeError(

@@ -221,6 +221,65 @@ def test_environ_get_answers_as_os_environ(monkeypatch: pytest.MonkeyPatch) -> N
     assert discover() is discover()
 
 
+def test_environ_get_follows_a_replaced_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    # environ.get keeps each name's encoded form with the encoding it came from: an
+    # os.environ that encodes names otherwise must be read with its own encoding.
+    monkeypatch.setenv("KWPLUG_TEST_VALUE", "plain")
+    assert environ.get("KWPLUG_TEST_VALUE") == "plain"  # kept under os.environ's encoding
+    data = {b"alt:KWPLUG_TEST_VALUE": b"other"}
+    other = os._Environ(  # type: ignore[attr-defined]
+        data,
+        lambda name: f"alt:{name}".encode(),
+        lambda key: key.decode()[4:],
+        str.encode,
+        bytes.decode,
+    )
+    monkeypatch.setattr(os, "environ", other)
+    assert environ.get("KWPLUG_TEST_VALUE") == "other"
+    monkeypatch.undo()
+    assert environ.get("KWPLUG_TEST_VALUE") == os.environ.get("KWPLUG_TEST_VALUE")
+
+
+class _MoreCommHooks:
+    @hookimpl
+    def comm_hooks(self) -> dict[str, Any]:
+        return {}
+
+
+def test_comm_hooks_asked_without_a_caller_follow_registrations() -> None:
+    # A copied manager answers comm_hooks from the template's implementations until the
+    # hook's caller is made; register and unregister make it, and are seen from then on.
+    kwplug.Accelerator(cpu=True)
+    pm = kwplug.Accelerator(cpu=True).plugin_manager
+    peeked = pm.hook.peek_hookimpls("comm_hooks")
+    assert peeked is not None and peeked == pm.hook.comm_hooks.get_hookimpls()
+    assert pm.hook.peek_hookimpls("comm_hooks") is None  # made: the caller answers now
+    pm.register(_MoreCommHooks(), name="more")
+    assert "more" in [name for name, _ in pm.each.comm_hooks()]
+    other = kwplug.Accelerator(cpu=True).plugin_manager
+    other.unregister(name="kwplug:ddp_comm_hooks")
+    assert "kwplug:ddp_comm_hooks" not in [name for name, _ in other.each.comm_hooks()]
+    assert "more" not in [name for name, _ in other.each.comm_hooks()]
+    fresh = kwplug.Accelerator(cpu=True)  # the template is untouched by either manager
+    assert "power_sgd" in fresh.comm_hooks and "kwplug:ddp_comm_hooks" in [
+        name for name, _ in fresh.plugin_manager.each.comm_hooks()
+    ]
+
+
+def test_a_changed_register_default_reaches_the_next_accelerator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # register_default is read once per construction for both the manager template's key
+    # and the set-up answers' key: a change between two constructions reaches both.
+    kwplug.Accelerator(cpu=True)
+    assert kwplug.Accelerator(cpu=True).plugin_manager.get_plugin("kwplug:profile") is not None
+    monkeypatch.setattr(ProfileKwargs, "register_default", False)
+    accelerator = kwplug.Accelerator(cpu=True)
+    assert accelerator.plugin_manager.get_plugin("kwplug:profile") is None
+    monkeypatch.undo()
+    assert kwplug.Accelerator(cpu=True).plugin_manager.get_plugin("kwplug:profile") is not None
+
+
 # -- threads: another thread's change during a construction is never kept ------------------------
 
 
