@@ -243,9 +243,12 @@ def build_handler(name: str, options: Any, where: str = "<mapping>") -> KwargsHa
     try:
         return cls(**options)
     except (TypeError, ValueError) as exc:
+        # attrs' own validators raise TypeError/ValueError(message, attribute, ...), whose
+        # str() is the tuple's repr (the Attribute's included): the message alone.
+        text = exc.args[0] if len(exc.args) > 1 and isinstance(exc.args[0], str) else str(exc)
         # Validators name their field in quotes: point the error's key at it.
-        field = next((k for k in options if f"'{k}'" in str(exc)), None)
+        field = next((k for k in options if f"'{k}'" in text), None)
         key = f"{table}.{field}" if field else table
         # attrs' own validators echo the value whole: a 20 MB one is cut (validators.shown).
-        message = cut_values(str(exc), options.values())
+        message = cut_values(text, options.values())
         raise ConfigError(f"{place}: {message}", file=where, key=key) from exc

@@ -23,10 +23,12 @@ from kwplug.errors import PluginLoadWarning, user_stacklevel
 def name_clashes(records: Iterable[PluginRecord]) -> dict[str, tuple[PluginRecord, ...]]:
     """Each entry-point name declared by several entry points, with their records (in
     precedence order), for names where at least one of them is third-party: the built-ins
-    never clash among themselves."""
+    never clash among themselves. An entry point the loading controls switched off
+    (``"blocked"``, ``"disabled"``) clashes with nothing: the user already chose."""
     by_name: dict[str, list[PluginRecord]] = {}
     for record in records:
-        by_name.setdefault(record.name, []).append(record)
+        if record.status not in ("blocked", "disabled"):
+            by_name.setdefault(record.name, []).append(record)
     return {
         name: tuple(found)
         for name, found in sorted(by_name.items())

@@ -177,10 +177,19 @@ _visible: Callable[[EntryPointLike], bool] | None = None
 def set_visible(visible: Callable[[EntryPointLike], bool] | None) -> None:
     """Restrict discovery to the entry points ``visible`` accepts (``None``: all of them),
     and forget the caches. Used by :class:`kwplug.testing.PluginSandbox` to isolate tests from
-    whatever else is installed."""
+    whatever else is installed. Nothing is discovered here: the next :func:`discover` does it,
+    so leaving a sandbox neither imports what is installed outside it nor raises or warns
+    about it (``KWPLUG_STRICT_PLUGINS``) until something outside uses discovery."""
     global _visible
     _visible = visible
-    discover(refresh=True)
+    _forget()
+
+
+def _forget() -> None:
+    _entry_points.cache_clear()
+    _load_cached.cache_clear()
+    _incompatible.cache_clear()
+    _discover.cache_clear()
 
 
 def visible() -> Callable[[EntryPointLike], bool] | None:
@@ -336,10 +345,7 @@ def discover(*, refresh: bool = False, strict: bool | None = None) -> tuple[Plug
             ``strict=True``), or ``KWPLUG_STRICT_PLUGINS`` has a value that is not a boolean.
     """
     if refresh:
-        _entry_points.cache_clear()
-        _load_cached.cache_clear()
-        _incompatible.cache_clear()
-        _discover.cache_clear()
+        _forget()
     controls = LoadControls.from_env()
     records = _discover(controls)
     error = strict_error(records) if (controls.strict if strict is None else strict) else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -107,3 +108,41 @@ def test_a_blocked_plugin_is_named_as_blocked_not_unknown(
         r"installed but not loaded \(blocked\)",
     ):
         load_config({"handlers": {"grad_scaler": {"init_scale": 2.0}}})
+
+
+@attrs.define
+class ChoiceKwargs(kwplug.KwargsHandler):
+    """A third-party handler validated by attrs' own validators, as docs/writing-plugins.md
+    suggests (``in_``, ``instance_of``)."""
+
+    register_default = False
+
+    dtype: str = attrs.field(
+        default="float32", validator=attrs.validators.in_(("float32", "bfloat16"))
+    )
+    scale: float = attrs.field(default=1.0, validator=attrs.validators.instance_of(float))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"dtype": "int8"},
+            r"\[handlers.choice\]: 'dtype' must be in \('float32', 'bfloat16'\) \(got 'int8'\)$",
+        ),
+        (
+            {"scale": "x"},
+            r"\[handlers.choice\]: 'scale' must be <class 'float'> "
+            r"\(got 'x' that is a <class 'str'>\)\.?$",
+        ),
+    ],
+)
+def test_attrs_validator_errors_read_as_one_message(
+    kwplug_plugins: PluginSandbox, options: dict[str, str], message: str
+) -> None:
+    # attrs' validators raise ValueError/TypeError(message, attribute, ...): str() of that is
+    # the tuple's repr, which the error used to print whole (the Attribute's repr included).
+    kwplug_plugins.add(ChoiceKwargs, name="choice", distribution="kwplug-choice")
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config({"handlers": {"choice": options}})
+    assert info.value.key == f"handlers.choice.{next(iter(options))}"

@@ -137,3 +137,40 @@ def test_two_third_party_distributions_with_one_name_are_reported(
         "kwplug-b",
     }
     kwplug.Accelerator(cpu=True)  # never crashes the run
+
+
+@pytest.mark.parametrize(
+    "control",
+    [("KWPLUG_BLOCK_PLUGINS", "kwplug-x"), ("KWPLUG_PLUGINS", ""), ("KWPLUG_PLUGINS", "other")],
+)
+def test_a_clashing_plugin_the_user_switched_off_is_not_reported(
+    kwplug_plugins: PluginSandbox,
+    modules: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    control: tuple[str, str],
+) -> None:
+    # The warning says "each is loaded as its own plugin" and asks the user to pick one; once
+    # the third-party one is blocked or left out of the allow-list, neither is true.
+    name = write(
+        modules,
+        "kwplug_clash_off",
+        """
+        import attrs
+        import kwplug
+
+        @attrs.define
+        class Other(kwplug.KwargsHandler):
+            pass
+        """,
+    )
+    kwplug_plugins.add(f"{name}:Other", name="ddp", distribution="kwplug-x")
+    kwplug_plugins.add(f"{name}:Other", name="other", distribution="kwplug-y")
+    monkeypatch.setenv(*control)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = kwplug.discover(refresh=True)
+    assert ("kwplug-x", "ddp") in {(r.distribution, r.name) for r in records}
+    assert _clash_warnings(caught) == []
+    assert kwplug.cli.main(["plugins"]) == 0
+    assert "name clash" not in capsys.readouterr().out

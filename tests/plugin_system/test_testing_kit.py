@@ -191,6 +191,22 @@ def test_sandbox_isolates_discovery_and_restores_it(monkeypatch: pytest.MonkeyPa
     assert all(name != "scaler-off" for name, _, _ in listing())
 
 
+def test_leaving_a_sandbox_does_not_load_what_is_installed_outside(
+    kwplug_plugins: PluginSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Outside the inner sandbox: a broken plugin is installed and KWPLUG_STRICT_PLUGINS=1 (as
+    # docs/writing-plugins.md says to run a plugin's tests). Leaving the inner sandbox used to
+    # rediscover the outer environment at once, so every test using the kwplug_plugins
+    # fixture errored at teardown with PluginLoadError (and warned about plugins it hid).
+    kwplug_plugins.add("kwplug_no_such_module:Handler", name="broken", distribution="kwplug-bad")
+    monkeypatch.setenv("KWPLUG_STRICT_PLUGINS", "1")
+    with PluginSandbox() as sandbox:
+        assert {r.distribution for r in sandbox.records()} == {"kwplug"}
+    # The outer environment is discovered when it is used, strictly, as before.
+    with pytest.raises(kwplug.PluginLoadError, match="'broken' \\(kwplug-bad 0.0.0\\)"):
+        kwplug.discover()
+
+
 def test_fixture_manager_has_the_builtins(kwplug_plugin_manager: Any) -> None:
     names = {name for name, _ in kwplug_plugin_manager.list_name_plugin()}
     assert "kwplug:ddp" in names and "kwplug:autocast" in names
