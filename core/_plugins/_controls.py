@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 import attrs
 
 from kwplug._contracts.environ import get as read_environ
-from kwplug.errors import PluginLoadError, PluginLoadWarning
+from kwplug.errors import PluginLoadError, PluginLoadWarning, user_stacklevel
 
 DISABLE_AUTOLOAD_ENV = "KWPLUG_DISABLE_PLUGIN_AUTOLOAD"
 ALLOW_ENV = "KWPLUG_PLUGINS"
@@ -168,5 +168,5 @@ class LoadControls:
                     f"{env_name} names unknown plugin(s) {', '.join(unknown)}; known plugins "
                     f"(entry point (distribution)): {listing}",
                     PluginLoadWarning,
-                    stacklevel=4,
+                    stacklevel=user_stacklevel(),  # the user's line, at any depth
                 )

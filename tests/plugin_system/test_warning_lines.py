@@ -65,3 +65,17 @@ def test_frames_of_the_given_folders_are_skipped_too(
         ]
     finally:
         sys.modules.pop("kwplug_library_like", None)
+
+
+def test_an_unknown_plugin_control_names_the_line_that_triggered_discovery(
+    kwplug_plugins: PluginSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kwplug
+
+    monkeypatch.setenv("KWPLUG_BLOCK_PLUGINS", "no-such-plugin-warning-line")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kwplug.discover(refresh=True)  # discovery, in kwplug, warns about the unknown name
+    (warning,) = [w for w in caught if "no-such-plugin-warning-line" in str(w.message)]
+    assert issubclass(warning.category, PluginLoadWarning)
+    assert warning.filename == __file__
