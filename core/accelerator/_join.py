@@ -51,9 +51,11 @@ def _override_even_batches(loaders: Sequence[Any], even_batches: bool) -> list[t
         elif isinstance(getattr(loader, "dataset", None), IterableDataset):
             iterable = True
     if iterable:
+        # The sentence Accelerate's own test script looks for is kept in the message.
         warnings.warn(
-            "join_uneven_inputs(even_batches=...) overrides only map-style data loaders; some "
-            "prepared data loaders are iterable-style and keep their setting",
+            "join_uneven_inputs(even_batches=...): overriding even_batches is only supported "
+            "for map-style datasets; some prepared data loaders are iterable-style and keep "
+            "their setting",
             KwplugWarning,
             stacklevel=4,
         )
