@@ -37,7 +37,13 @@ from typing import Any, Literal
 
 from kwplug._process import forked_wait as _waiting
 
-#: Imported once by the forkserver, so that no rank pays for it again.
+#: Imported once by the forkserver, so that no rank pays for it again. Not ``torch._dynamo``,
+#: though torch imports it in nearly every rank (the first ``Optimizer.add_param_group`` is
+#: wrapped by ``torch._disable_dynamo``; ~1.8 s of a 2-process parity run's 4.4 s): imported
+#: before the script's ``init_process_group`` instead of after it, it made Accelerate's
+#: 2-process ``nlp_example`` hang at the end of its training function about one run in four
+#: (0 in 15 without; the main thread, holding the GIL, frees DDP's reducer and joins gloo's
+#: worker thread, which waits for the GIL to free a finished all-gather's tensor).
 _PRELOAD = ["torch", "torch.distributed"]
 
 #: What torch's elastic agent sets in a rank's environment (kept when the caller's is applied).
