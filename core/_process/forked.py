@@ -4,7 +4,8 @@ A fresh interpreter spends seconds importing torch before it runs a line of a te
 ranks are started by torch's own elastic agent (``torch.distributed.launcher.api.elastic_launch``,
 what ``torchrun`` runs, with its static rendezvous on a free 127.0.0.1 port) with
 ``start_method="forkserver"``: each rank is forked from Python's forkserver, which imported
-torch once (``multiprocessing.set_forkserver_preload``); everything else is imported afresh.
+torch once (``multiprocessing.set_forkserver_preload``, with the part of ``torch._dynamo``'s
+imports that is safe to share, see :data:`_PRELOAD`); everything else is imported afresh.
 
 Each rank is then made the process torchrun would have started: exactly the caller's
 environment (plus torchrun's variables), a new interpreter's import path (``PYTHONPATH``
@@ -37,14 +38,22 @@ from typing import Any, Literal
 
 from kwplug._process import forked_wait as _waiting
 
-#: Imported once by the forkserver, so that no rank pays for it again. Not ``torch._dynamo``,
-#: though torch imports it in nearly every rank (the first ``Optimizer.add_param_group`` is
-#: wrapped by ``torch._disable_dynamo``; ~1.8 s of a 2-process parity run's 4.4 s): imported
-#: before the script's ``init_process_group`` instead of after it, it made Accelerate's
-#: 2-process ``nlp_example`` hang at the end of its training function about one run in four
-#: (0 in 15 without; the main thread, holding the GIL, frees DDP's reducer and joins gloo's
-#: worker thread, which waits for the GIL to free a finished all-gather's tensor).
-_PRELOAD = ["torch", "torch.distributed"]
+#: Imported once by the forkserver, so that no rank pays for it again. Nearly every rank builds
+#: an optimizer, and torch imports ``torch._dynamo`` for the first one
+#: (``Optimizer.add_param_group`` is wrapped by ``torch._disable_dynamo``): ~1.9 s on 2 cores.
+#: Its part that touches neither ``torch.distributed`` nor ``torch._dynamo`` itself
+#: (``torch.fx.experimental.symbolic_shapes`` and ``sympy``, ~0.6 s) is preloaded; a
+#: 2-process parity run of Accelerate's ``nlp_example`` went from 6.3-7.2 s to 3.9-5.5 s
+#: (A B A B, 7 runs each, load 2-3). Not ``torch._dynamo``: imported before the script's
+#: ``init_process_group``, it made that run hang at exit one run in four (0 in 15 without): the
+#: main thread, holding the GIL, frees DDP's reducer and joins gloo's worker, which waits for
+#: the GIL to free a finished all-gather's tensor.
+_PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes"]
+
+#: Prefixes of the variables the preloaded ``torch.fx.experimental._config`` reads at import: a
+#: job that sets them differently is not forked. (Not ``TORCHINDUCTOR_``: torch sets
+#: ``TORCHINDUCTOR_CACHE_DIR`` in the caller's environment itself once anything compiles.)
+_STARTUP_PREFIXES = ("TORCHDYNAMO_", "TORCHEXPORT_")
 
 #: What torch's elastic agent sets in a rank's environment (kept when the caller's is applied).
 _AGENT_VARIABLES = frozenset(
@@ -180,9 +189,17 @@ def _ensure_server() -> None:
 
 def forkable(env: Mapping[str, str]) -> bool:
     """Whether a job with environment ``env`` can be forked from the server: every variable
-    the interpreter reads only at start-up has the server's value (``OMP_NUM_THREADS=1``)."""
+    the interpreter (or a preloaded module) reads only at start-up has the server's value
+    (``OMP_NUM_THREADS=1``; the ``TORCHDYNAMO_*`` and ``TORCHEXPORT_*`` variables as the
+    server had them)."""
     server = _server_env or {**os.environ, "OMP_NUM_THREADS": "1"}
-    return all(env.get(name) == server.get(name) for name in _STARTUP)
+    if not all(env.get(name) == server.get(name) for name in _STARTUP):
+        return False
+    return _prefixed(env) == _prefixed(server)
+
+
+def _prefixed(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_STARTUP_PREFIXES)}
 
 
 def _exit_status(code: object) -> int:

@@ -90,3 +90,27 @@ def test_run_single_is_a_plain_process_with_its_own_status(tmp_path: Path) -> No
     assert (done.returncode, done.timed_out) == (3, False)
     assert done.stdout == f"False ['3'] {tmp_path}\n"
     assert os.environ.get("RANK") is None
+
+
+def test_a_job_that_sets_a_compile_config_variable_is_not_forked() -> None:
+    # The server preloads torch.fx.experimental, whose config reads TORCHDYNAMO_* variables at
+    # import: a forked job would see the server's values, not its own.
+    base = child_environment()
+    assert _forked.forkable(base)
+    for name in ("TORCHDYNAMO_TRANSLATION_VALIDATION", "TORCHEXPORT_EXTENDED_DEBUG_CURRENT_LOC"):
+        assert not _forked.forkable({**base, name: "1"}), name
+    # torch itself sets this one in the caller's environment once anything compiles
+    assert _forked.forkable({**base, "TORCHINDUCTOR_CACHE_DIR": "/tmp/elsewhere"})
+
+
+def test_a_forked_job_gets_the_preloaded_modules_and_no_dynamo(tmp_path: Path) -> None:
+    # What the server shares: torch's symbolic-shape machinery; never torch._dynamo, whose
+    # import before init_process_group changes how gloo's groups end (see forked._PRELOAD).
+    script = tmp_path / "modules.py"
+    script.write_text(
+        "import sys\n"
+        "print('symbolic', 'torch.fx.experimental.symbolic_shapes' in sys.modules)\n"
+        "print('dynamo', 'torch._dynamo' in sys.modules)\n"
+    )
+    out = run_torchrun([str(script)], nproc=1, timeout=120).stdout
+    assert "symbolic True" in out and "dynamo False" in out, out
