@@ -11,6 +11,8 @@ it each own one concern:
 - ``_api_range``: the kwplug version range a plugin's distribution requires.
 - ``_rules``: every "is this a valid plugin" rule (discovery and ``kwplug.testing`` share it).
 - ``_manager``: the manager (names, descriptions, third-party status, hook relays).
+- ``_defaults``: which discovered plugins a manager registers by default, under which names.
+- ``_entrypoints``: pluggy's ``load_setuptools_entrypoints`` on the manager, through discovery.
 - ``_relays``: the typed hook relays, ``plugins.first.<hook>(...)`` / ``plugins.each.<hook>(...)``.
 - ``_calls``: ``HookCalls``, the one caller: record, run through pluggy's ``_hookexec``, answer.
 - ``_impls``: pluggy's ``HookImpl`` as the caller handles it (plain-call arguments, copies).
@@ -32,7 +34,8 @@ from kwplug._plugins._discovery import (
     strict_error,
     visible,
 )
-from kwplug._plugins._manager import TRACE_ENV, KwplugPluginManager
+from kwplug._plugins._entrypoints import load_handlers
+from kwplug._plugins._manager import TRACE_ENV, KwplugPluginManager, use_entry_point_loader
 from kwplug._plugins._records import GROUP, PluginRecord, register_defaults
 from kwplug._plugins._reuse import manager_for
 from kwplug._plugins._rules import (
@@ -43,6 +46,10 @@ from kwplug._plugins._rules import (
     tryfirst_problem,
     validate_hookimpls,
 )
+
+# The manager's module cannot import discovery (discovery validates plugins with a manager):
+# it gets its load_setuptools_entrypoints from here, before anyone can build a manager.
+use_entry_point_loader(load_handlers)
 
 __all__ = [
     "GROUP",

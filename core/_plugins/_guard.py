@@ -12,8 +12,9 @@ Discovery imports kwplug's built-ins first, then each third-party plugin inside
 
 restores each, and reports them, so that discovery marks the plugin failed with what it changed.
 What training relies on outside kwplug (torch's autocast, backward, DDP, collectives and
-optimizer step, safetensors, the process's streams and signal handlers, plugins loaded
-before) is kept the same way, by :class:`~kwplug._plugins._watched.Outside`.
+optimizer step, ``nn.Module``'s call and state, ``DataLoader.__iter__``, safetensors, the
+process's streams and signal handlers, plugins loaded before) is kept the same way, by
+:class:`~kwplug._plugins._watched.Outside`.
 A module must be in ``sys.modules`` for the snapshot to hold it, so before the first
 third-party import :func:`preload` imports every module of the core (but ``kwplug.testing``):
 one that a plugin imported itself and patched (``kwplug.utils.random.set_seed``, while nothing

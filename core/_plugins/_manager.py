@@ -26,8 +26,9 @@ from pluggy._hooks import _SubsetHookCaller
 from kwplug._contracts.environ import get as read_environ
 from kwplug._plugins._calls import PER_CALL, Answer, HookCalls, is_watched, revalidate
 from kwplug._plugins._conflicts import conflict_error, find_conflicts
+from kwplug._plugins._defaults import select
 from kwplug._plugins._identity import PluginSet, Registry
-from kwplug._plugins._records import PluginRecord, loaded, plugin_object
+from kwplug._plugins._records import GROUP, PluginRecord, plugin_object
 from kwplug._plugins._relays import EachRelay, FirstRelay
 from kwplug._plugins._rules import require_handler_instance, validate_hookimpls
 from kwplug.handler import KwargsHandler
@@ -39,6 +40,17 @@ trace_logger = logging.getLogger("kwplug.trace")
 logger = logging.getLogger(__name__)
 
 _NO_OPTS: Any = object()
+
+# load_setuptools_entrypoints' work (kwplug._plugins._entrypoints.load_handlers), handed over
+# by the package's face: discovery validates plugins with a manager of this module, so
+# importing it here would close an import circle (tests/gates/test_layers.py).
+_entry_point_loader: Callable[[KwplugPluginManager, str | None], int] | None = None
+
+
+def use_entry_point_loader(loader: Callable[[KwplugPluginManager, str | None], int]) -> None:
+    """Make ``loader`` what :meth:`KwplugPluginManager.load_setuptools_entrypoints` calls."""
+    global _entry_point_loader
+    _entry_point_loader = loader
 
 
 class KwplugPluginManager(pluggy.PluginManager):
@@ -163,6 +175,47 @@ class KwplugPluginManager(pluggy.PluginManager):
         removed = PluginSet(p for p in remove_plugins if p in implementing)
         return orig if not removed else _SubsetHookCaller(orig, removed)
 
+    def load_setuptools_entrypoints(self, group: str, name: str | None = None) -> int:
+        """pluggy's ``load_setuptools_entrypoints`` through kwplug's discovery: register the
+        ``kwplug.handlers`` plugins this manager lacks, as :meth:`for_handlers` registers them.
+
+        What :func:`kwplug.discover` loaded (the loading controls, the API range, the import
+        guard and a :class:`kwplug.testing.PluginSandbox` apply) is registered as a default: a
+        handler class as a default instance, as ``"<distribution>:<entry point>"``, with its
+        description and third-party standing. Left out: a handler class whose
+        ``register_default`` is false or an instance of which (or of a subclass) is registered,
+        an object registered already (identity), a name registered or ``set_blocked`` (the
+        entry-point name or the registered one). A plugin that fails to load is skipped,
+        reported once per process with a :class:`~kwplug.errors.PluginLoadWarning` naming it
+        and its distribution. Precedence: pluggy asks the most recently registered
+        implementation first, so what this registers answers before all registered earlier --
+        on an Accelerator's manager, before its built-ins and the user's ``kwargs_handlers``
+        (the hooks it answered at construction, and its conflict check, are not run again).
+
+        Args:
+            group: the entry-point group: ``"kwplug.handlers"`` only.
+            name: only the entry point of this name (``"ddp"``) or registered name
+                (``"kwplug:ddp"``); ``None`` (default): every one.
+
+        Returns:
+            The number of plugins this call registered, as pluggy's.
+
+        Raises:
+            ValueError: another ``group`` (named with the accepted one): its plugins would
+                answer kwplug's hooks unseen by the loading controls, ``kwplug plugins`` and
+                the API range check; ``register(plugin, name=...)`` adds one explicitly.
+            kwplug.errors.PluginLoadError: a plugin failed to load and
+                ``KWPLUG_STRICT_PLUGINS=1``, as at an Accelerator's construction.
+        """
+        if group != GROUP:  # refused, not imported: see Raises
+            raise ValueError(
+                f"load_setuptools_entrypoints({group!r}): kwplug's plugin manager loads the "
+                f"{GROUP!r} entry points only; declare the plugin there, or register() it"
+            )
+        if _entry_point_loader is None:  # only while kwplug._plugins is being imported
+            raise RuntimeError("load_setuptools_entrypoints: kwplug._plugins is not imported")
+        return _entry_point_loader(self, name)
+
     @classmethod
     def for_handlers(
         cls, handlers: Sequence[KwargsHandler], records: Sequence[PluginRecord]
@@ -171,10 +224,8 @@ class KwplugPluginManager(pluggy.PluginManager):
 
         Order of answers: built-in defaults are registered first, then third-party defaults,
         then the user's handlers (last in the list first), so pluggy asks the user's handlers
-        first. A default handler class is skipped when the user passed an instance of it or of
-        a subclass (the subclass replaces it), or when its ``register_default`` is false. An
-        object named by several entry points is registered once (by identity; a built-in's
-        record wins over a third-party one naming the same class or module). Each
+        first. Which defaults, under which names: :func:`~kwplug._plugins._defaults.select`
+        (a default handler class an instance of which the user passed is skipped). Each
         Accelerator has its own manager and registers objects under explicit names, so equal
         (by value) handlers in two Accelerators never collide.
 
@@ -187,33 +238,10 @@ class KwplugPluginManager(pluggy.PluginManager):
             TypeError: a user handler's hookimpls fail pluggy's validation (names the class).
         """
         pm = cls()
-        defaults: list[tuple[str, str, Any, bool]] = []
-        usable = loaded(records)
-        # Registered by identity, once: two entry points may name one class or module (a
-        # checkout's kwplug.egg-info on sys.path declares every built-in again, as a
-        # third-party "kwplug"), and pluggy refuses a second registration of one object or
-        # of one name. The built-in's record wins, so the object keeps its built-in name and
-        # standing; the clash itself is reported by discovery.
-        builtin_objects = {id(r.obj) for r in usable if r.builtin}
-        names = {f"{r.distribution}:{r.name}" for r in usable if r.builtin}
-        seen: set[int] = set()
-        for r in usable:
-            handler_class = r.handler_class
-            if id(r.obj) in seen or (not r.builtin and id(r.obj) in builtin_objects):
-                continue
-            if handler_class is not None and (
-                not handler_class.register_default
-                or any(isinstance(h, handler_class) for h in handlers)
-            ):
-                continue
-            seen.add(id(r.obj))
-            name = f"{r.distribution}:{r.name}"
-            if not r.builtin:
-                name = _unique(name, names)
-                names.add(name)
-            defaults.append((name, f"default plugin {r.describe()}", plugin_object(r), r.builtin))
-        for name, description, obj, builtin in reversed(defaults):
-            pm.register_plugin(obj, name, description, third_party=not builtin)
+        chosen = select(records, lambda kind: any(isinstance(h, kind) for h in handlers))
+        objects = [plugin_object(d.record) for d in chosen]  # default instances, in order
+        for d, obj in zip(reversed(chosen), reversed(objects), strict=True):
+            pm.register_plugin(obj, d.name, d.description, third_party=d.third_party)
         for index in reversed(range(len(handlers))):
             pm.register_handler(index, handlers[index])
         return pm
@@ -368,14 +396,3 @@ class KwplugPluginManager(pluggy.PluginManager):
         for name, answer in running[1]:
             who = "the per-call handler" if name == PER_CALL else self.describe(name)
             trace_logger.info("hook %s answered by %s: %r", hook, who, answer)
-
-
-def _unique(name: str, taken: set[str]) -> str:
-    # A third-party plugin whose "distribution:name" is a built-in's (a foreign metadata
-    # folder named kwplug) or another's gets a suffix instead of crashing pluggy.
-    if name not in taken:
-        return name
-    candidate, n = f"{name}#third-party", 2
-    while candidate in taken:
-        candidate, n = f"{name}#third-party-{n}", n + 1
-    return candidate

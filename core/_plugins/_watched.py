@@ -3,9 +3,10 @@
 :func:`~kwplug._plugins._guard.kwplug_kept` keeps kwplug itself; a plugin can as well change
 training by replacing what kwplug calls in torch (``torch.autocast`` replaced trains fp16 in
 fp32; ``torch.Tensor.backward`` replaced leaves every ``.grad`` ``None``), wrap
-``safetensors.torch.save_file`` to see every checkpoint tensor, silence or replace the
-process's streams, take over its signals, or patch a plugin loaded before it. :class:`Outside`
-snapshots all of that before the import and, after it, puts back and names what changed:
+``safetensors.torch.save_file`` or ``torch.nn.Module.state_dict`` to see every checkpoint
+tensor, silence or replace the process's streams, take over its signals, or patch a plugin
+loaded before it. :class:`Outside` snapshots all of that before the import and, after it, puts
+back and names what changed:
 
 - :data:`WATCHED`: module -> names (``"Tensor.backward"``: an attribute of a class of that
   module, as found in the class's own ``__dict__``); a module not yet imported is skipped (a
@@ -42,6 +43,26 @@ WATCHED: dict[str, tuple[str, ...]] = {
     "torch.amp.autocast_mode": ("autocast", "autocast.__enter__", "autocast.__exit__"),
     "torch.amp.grad_scaler": ("GradScaler", "GradScaler.scale", "GradScaler.step"),
     "torch.autograd": ("backward", "grad"),
+    # torch.nn.Module as kwplug uses it: ``isinstance(obj, torch.nn.Module)`` finds the models
+    # prepare() wraps; every forward reaches kwplug's mixed-precision forward and DDP's through
+    # Module.__call__ (_wrapped_call_impl) and _call_impl; save_model, save_state and the load
+    # checks read state_dict; load_state writes through load_state_dict; prepare maps the
+    # optimizer's parameters by named_parameters; DDP's comm-hook state, the checkpoint's
+    # optimizer owners and the DDP-or-not decision iterate parameters. (Module.zero_grad is
+    # not kwplug's: it zeroes through the optimizer's, watched below.)
+    "torch.nn": (
+        "Module",
+        "Module.__call__",
+        "Module._call_impl",
+        "Module.state_dict",
+        "Module.load_state_dict",
+        "Module.named_parameters",
+        "Module.parameters",
+    ),
+    # Each epoch of a prepared loader starts in DataLoader.__iter__ (super().__iter__() in
+    # kwplug._data._loader); a DataLoader class replaced would build loaders prepare() does
+    # not recognise (it checks against the class it imported).
+    "torch.utils.data": ("DataLoader", "DataLoader.__iter__"),
     "torch.optim": ("Optimizer",),
     "torch.optim.optimizer": ("Optimizer", "Optimizer.step", "Optimizer.zero_grad"),
     "torch.nn.parallel": ("DistributedDataParallel",),
@@ -53,6 +74,13 @@ WATCHED: dict[str, tuple[str, ...]] = {
 }
 
 _STREAMS = ("stdout", "stderr", "stdin", "excepthook")
+# Dunder names of WATCHED compared all the same (another dunder is Python's own bookkeeping).
+_WATCHED_DUNDERS = frozenset(
+    last
+    for paths in WATCHED.values()
+    for last in (p.rpartition(".")[2] for p in paths)
+    if last.startswith("__")
+)
 _plugin_modules: dict[str, ModuleType] = {}
 # Top-level module names of every third-party entry point of this discovery.
 _expected: frozenset[str] = frozenset()
@@ -138,7 +166,7 @@ class Outside:
         """Put back what changed since the snapshot; one line per change."""
         changes = []
         for label, owner, name, value in self.values:
-            if name.startswith("__") and name not in ("__enter__", "__exit__", "__call__"):
+            if name.startswith("__") and name not in _WATCHED_DUNDERS:
                 continue  # Python's own bookkeeping (__warningregistry__, __slotnames__...)
             if _read(owner, name) is not value:
                 what = "added" if value is _MISSING else "replaced"

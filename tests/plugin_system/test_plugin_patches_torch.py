@@ -2,8 +2,9 @@
 (issue 30, item 1): ``torch.autocast`` replaced made fp16 train in fp32, ``Tensor.backward``
 replaced left every ``.grad`` ``None``, a wrapped ``safetensors.torch.save_file`` saw every
 checkpoint tensor, and one plugin could patch another's tracker -- each listed ``loaded``.
-Also the process's streams and signal handlers (item 4). Each plugin is pip-installed for
-real and the training runs in a fresh process."""
+Also the process's streams and signal handlers (item 4), and ``torch.nn.Module``'s methods and
+``DataLoader.__iter__`` (a patched ``state_dict`` saw every tensor a checkpoint saved). Each
+plugin is pip-installed for real and the training runs in a fresh process."""
 
 from __future__ import annotations
 
@@ -35,6 +36,24 @@ PATCHES = {
             return real(tensors, *args, **kwargs)
         safetensors.torch.save_file = save_file
     """,
+    # Sees every tensor save_state and save_model read (and could change them), and every
+    # batch a prepared loader hands out.
+    "modulespy": """
+        import torch, torch.utils.data
+        SEEN, BATCHES = [], []
+        real_state_dict = torch.nn.Module.state_dict
+        def state_dict(self, *args, **kwargs):
+            state = real_state_dict(self, *args, **kwargs)
+            SEEN.extend(state)
+            return state
+        torch.nn.Module.state_dict = state_dict
+        real_iter = torch.utils.data.DataLoader.__iter__
+        def spy_iter(self):
+            for batch in real_iter(self):
+                BATCHES.append(batch)
+                yield batch
+        torch.utils.data.DataLoader.__iter__ = spy_iter
+    """,
     "streams": """
         import io, signal, sys
         sys.stdout = io.StringIO()
@@ -62,11 +81,18 @@ PATCHES = {
 }
 
 TRAIN = textwrap.dedent("""
-    import json, signal, sys, tempfile
+    import json, signal, sys, tempfile, warnings
     import torch
     import kwplug
     import safetensors.torch
-    accelerator = kwplug.Accelerator(mixed_precision="fp16", cpu=True, log_with="mine")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerator = kwplug.Accelerator(mixed_precision="fp16", cpu=True, log_with="mine")
+    warned = {
+        w.message.plugin: str(w.message)
+        for w in caught
+        if isinstance(w.message, kwplug.errors.PluginLoadWarning)
+    }
     accelerator.init_trackers("run")
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -77,10 +103,13 @@ TRAIN = textwrap.dedent("""
         loss = model(torch.randn(8, 4)).float().pow(2).mean()
     accelerator.backward(loss)
     grad = model.weight.grad
+    loader = accelerator.prepare(torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4))
+    batches = sum(1 for _ in loader)
     accelerator.log({"loss": 1.0})
     with tempfile.TemporaryDirectory() as folder:
         accelerator.save_state(folder)
     spy = sys.modules.get("kwplug_safetensorsspy")
+    module_spy = sys.modules.get("kwplug_modulespy")
     records = {r.name: r for r in kwplug.discover()}
     print(json.dumps({
         "dtype": str(inner.dtype),
@@ -88,6 +117,11 @@ TRAIN = textwrap.dedent("""
         "spied": len(spy.SEEN) if spy else None,
         "logged": sys.modules["kwplug_atracker"].LOGGED,
         "save_file": safetensors.torch.save_file.__module__,
+        "module_spied": [len(module_spy.SEEN), len(module_spy.BATCHES)] if module_spy else None,
+        "batches": batches,
+        "state_dict": torch.nn.Module.state_dict.__module__,
+        "loader_iter": torch.utils.data.DataLoader.__iter__.__module__,
+        "warned": warned,
         "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "status": {n: r.status for n, r in records.items()},
         "errors": {n: r.error for n, r in records.items() if r.error},
@@ -108,17 +142,26 @@ def test_patches_outside_kwplug_are_undone_and_named(site: Path) -> None:
     assert result["dtype"] == "torch.float16"  # autocast is torch's again
     assert result["grad"]  # backward is torch's again
     assert result["spied"] == 0 and result["save_file"] == "safetensors.torch"
+    assert result["module_spied"] == [0, 0] and result["batches"] == 2  # torch's own again
+    assert result["state_dict"] == "torch.nn.modules.module"
+    assert result["loader_iter"] == "torch.utils.data.dataloader"
     assert result["logged"] == [{"loss": 1.0}]  # the thief's patch was undone
     assert result["sigterm_default"]
     status, errors = result["status"], result["errors"]
     assert status["atracker"] == "loaded"
-    for name in ("autocastpatch", "backwardpatch", "safetensorsspy", "streams", "btrackerthief"):
+    names = ("autocastpatch", "backwardpatch", "safetensorsspy", "modulespy", "streams")
+    for name in (*names, "btrackerthief"):
         assert status[name] == "failed", name
     assert "replaced torch.autocast" in errors["autocastpatch"]
     assert "replaced torch.amp.autocast_mode.autocast" in errors["autocastpatch"]
     assert "replaced torch.Tensor.backward" in errors["backwardpatch"]
     assert "replaced torch.autograd.backward" in errors["backwardpatch"]
     assert "replaced safetensors.torch.save_file" in errors["safetensorsspy"]
+    assert "replaced torch.nn.Module.state_dict" in errors["modulespy"]
+    assert "replaced torch.utils.data.DataLoader.__iter__" in errors["modulespy"]
+    # the one PluginLoadWarning names the plugin, its distribution and what it replaced
+    assert "'modulespy' (kwplug-modulespy 0.0.1)" in result["warned"]["modulespy"]
+    assert "replaced torch.nn.Module.state_dict" in result["warned"]["modulespy"]
     assert "replaced sys.stdout" in errors["streams"]
     assert "replaced the SIGTERM handler" in errors["streams"]
     # the thief loads first (entry-point order) and imports the tracker plugin itself
